@@ -24,29 +24,29 @@ import torch
 import transformers
 
 from kvopt.eval.bench import run_bench
+from kvopt.eval.contenders import split_specs
 from kvopt.eval.report import write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
 from kvopt.models import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
-PRESSES = ["snapkv", "streamingllm", "tova", "knorm", "pyramidkv", "expectedattention", "adakv-snapkv"]
-RATIOS = [0.5, 0.75]
-
-
+PRESSES = ["snapkv", "pyramidkv", "adakv-snapkv", "tova", "streamingllm"]
+RATIOS = [0.5, 0.75, 0.9]
 OURS = ["window", "streamingllm", "snapkv", "pyramidkv", "adakv", "tova", "kvzip"]
+#: Decode speed at 4k context, each method at 75% removed, next to `full` and plain HF.
+SPEED_METHODS = ["full", *(f"{m}:ratio=0.75" for m in OURS if m != "window"), "window:size=1024"]
 
 
-def default_methods() -> list[str]:
+def agnostic_methods() -> list[str]:
     ours = ["full", *(f"{method}:ratio={r}" for method in OURS for r in RATIOS)]
     peers = [f"kvpress:{press}:ratio={r}" for press in PRESSES for r in RATIOS]
     return ours + peers
 
 
 def aware_methods() -> list[str]:
-    """The query-aware grid: the baseline, cheap kvopt methods and every press (kvzip's query-agnostic cost is skipped)."""
-    ours = ["full", *(f"{method}:ratio={r}" for method in ("window", "snapkv", "tova") for r in RATIOS)]
-    return ours + [f"kvpress:{press}:ratio={r}" for press in PRESSES for r in RATIOS]
+    """Query-aware: every method but kvzip, whose reconstruction pass targets the query-agnostic case."""
+    return [spec for spec in agnostic_methods() if not spec.startswith("kvzip")]
 
 
 def load_times() -> tuple[float, float]:
@@ -61,18 +61,24 @@ def load_times() -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=ROOT / "results" / "benchmarks")
-    parser.add_argument("--bench-lengths", default="512,2048,4096")
+    parser.add_argument("--bench-lengths", default="512,2048")
     parser.add_argument("--bench-methods", default="full,window:size=512")
+    parser.add_argument("--speed-length", type=int, default=4096)
+    parser.add_argument("--speed-methods", default=",".join(SPEED_METHODS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", default="2048,4096")
-    parser.add_argument("--tasks", default="passkey,niah")
+    parser.add_argument("--tasks", default="passkey,niah,niah_multikey")
     parser.add_argument("--depths", type=int, default=1)
-    parser.add_argument("--samples", type=int, default=1)
-    parser.add_argument("--ppl-tokens", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--aware-samples", type=int, default=1)
+    parser.add_argument("--ppl-tokens", type=int, default=8000)
     parser.add_argument("--ppl-chunk", type=int, default=32)
-    parser.add_argument("--ppl-methods", default="full,window:size=1024")
-    parser.add_argument("--steps", default="load,bench,eval,ppl", help="comma-separated subset of load,bench,eval,ppl")
+    parser.add_argument("--ppl-methods", default="full,window:size=1024,streamingllm:sinks=4,window=1020")
+    parser.add_argument(
+        "--steps", default="load,agnostic,ppl,bench,speed,aware",
+        help="comma-separated subset of load,agnostic,ppl,bench,speed,aware",
+    )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
 
@@ -80,32 +86,46 @@ def main() -> None:
     timings = load_timings(args.results)
     if "load" in steps:
         timings["load cold s"], timings["load warm s"] = load_times()
-    if "bench" in steps:
+    if "bench" in steps:  # lossless speed and bytes vs plain HF at short and medium lengths
         start = time.perf_counter()
         run_bench(
-            [int(x) for x in args.bench_lengths.split(",")], args.bench_methods.split(","), args.results,
-            args.new_tokens, args.repeats, loaded=loaded,
+            _ints(args.bench_lengths), args.bench_methods.split(","), args.results, args.new_tokens, args.repeats,
+            loaded=loaded,
         )  # fmt: skip
         timings["bench"] = time.perf_counter() - start
-    if "eval" in steps:
+    if "speed" in steps:  # every method's decode speed at long context, same run as full and HF
         start = time.perf_counter()
-        for mode, methods in ((QUERY_AGNOSTIC, default_methods()), (QUERY_AWARE, aware_methods())):
+        run_bench(
+            [args.speed_length], split_specs(args.speed_methods), args.results, args.new_tokens, args.repeats,
+            loaded=loaded,
+        )  # fmt: skip
+        timings["speed per method"] = time.perf_counter() - start
+    for mode, step, methods, samples in (
+        (QUERY_AGNOSTIC, "agnostic", agnostic_methods(), args.samples),
+        (QUERY_AWARE, "aware", aware_methods(), args.aware_samples),
+    ):
+        if step in steps:
+            start = time.perf_counter()
             grid = EvalGrid(
-                tasks=args.tasks.split(","), lengths=[int(x) for x in args.lengths.split(",")], methods=methods,
-                depths=args.depths, samples=args.samples, modes=[mode],
+                tasks=args.tasks.split(","), lengths=_ints(args.lengths), methods=methods, depths=args.depths,
+                samples=samples, modes=[mode],
             )  # fmt: skip
             run_eval(grid, args.results, loaded=loaded)
-        timings["accuracy grid"] = time.perf_counter() - start
+            timings[f"accuracy grid ({mode.replace('_', '-')})"] = time.perf_counter() - start
     if "ppl" in steps:
         start = time.perf_counter()
         ppl = EvalGrid(
-            tasks=["ppl"], lengths=[], methods=args.ppl_methods.split(","), ppl_tokens=args.ppl_tokens,
+            tasks=["ppl"], lengths=[], methods=split_specs(args.ppl_methods), ppl_tokens=args.ppl_tokens,
             ppl_chunk=args.ppl_chunk,
         )  # fmt: skip
         run_eval(ppl, args.results, loaded=loaded)
         timings["perplexity"] = time.perf_counter() - start
     save_timings(args.results, timings)
     compose(args, timings)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def load_timings(results: Path) -> dict[str, float]:

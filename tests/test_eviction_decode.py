@@ -221,7 +221,7 @@ REFERENCES = {"h2o": H2OReference, "morphkv": MorphKVReference, "streamingllm": 
         "morphkv:budget=12,window=4",
         "morphkv:budget=12,window=4,aggregation=max",
         "streamingllm:budget=12",
-        "streamingllm:ratio=0.5,sinks=2,rolling=false",
+        "streamingllm:ratio=0.5,sinks=2,rolling=never",
     ],
 )
 def test_fast_path_keeps_what_the_slow_reference_keeps(spec):
@@ -401,7 +401,7 @@ def test_rolling_streams_past_the_trained_context_like_the_paper():
     chunks = [20] + [1] * 100 + [3] + [1] * 50  # 174 tokens; a 3-token chunk after eviction
     ids = torch.randint(3, VOCAB, (1, sum(chunks)), generator=torch.Generator().manual_seed(11))
     expected = streaming_reference(reference, ids, chunks, budget=16, sinks=4, rolling=True)
-    got, cache = streaming_kvopt(ours, ids, chunks, "streamingllm:budget=16")
+    got, cache = streaming_kvopt(ours, ids, chunks, "streamingllm:budget=16,rolling=always")
     assert torch.isfinite(got).all()
     assert (got - expected).abs().max().item() <= 1e-4
     assert cache.get_seq_length() == sum(chunks) > ours.config.max_position_embeddings
@@ -415,18 +415,36 @@ def test_without_rolling_keys_keep_absolute_positions_and_the_context_limit_hold
     chunks = [20] + [1] * 40
     ids = torch.randint(3, VOCAB, (1, 80), generator=torch.Generator().manual_seed(12))
     expected = streaming_reference(reference, ids, chunks, budget=16, sinks=4, rolling=False)
-    got, cache = streaming_kvopt(ours, ids, chunks, "streamingllm:budget=16,rolling=false")
+    got, cache = streaming_kvopt(ours, ids, chunks, "streamingllm:budget=16,rolling=never")
     assert (got - expected).abs().max().item() <= 1e-4
     with pytest.raises(ContextTooLongError):
         for t in range(60, 80):
             ours(ids[:, t : t + 1], past_key_values=cache)
 
 
-def test_rolling_rejects_length_dependent_rope():
+def test_auto_rolling_keeps_absolute_positions_inside_the_context_and_rolls_past_it():
+    """The default: identical to absolute positions up to the model's limit, then streams on bounded."""
+    reference = short_context_llama()
+    ours = copy.deepcopy(reference)
+    chunks = [20] + [1] * 150
+    ids = torch.randint(3, VOCAB, (1, sum(chunks)), generator=torch.Generator().manual_seed(13))
+    inside = 64  # logits rows of the positions below the 64-position limit
+    expected = streaming_reference(reference, ids, chunks[: 1 + 44], budget=16, sinks=4, rolling=False)
+    got, cache = streaming_kvopt(ours, ids, chunks, "streamingllm:budget=16")
+    assert (got[:inside] - expected).abs().max().item() <= 1e-4
+    always, _ = streaming_kvopt(copy.deepcopy(reference), ids, chunks, "streamingllm:budget=16,rolling=always")
+    assert (got[:inside] - always[:inside]).abs().max().item() > 1e-3  # rolling from the start differs
+    assert torch.isfinite(got).all() and cache.get_seq_length() == 170
+    assert all(len(layer.store) == 16 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("rolling, tokens", [("always", 12), ("auto", 80)])
+def test_rolling_rejects_length_dependent_rope_once_it_must_roll(rolling, tokens):
     model = short_context_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    cache = kvopt.cache("streamingllm:budget=8", model)
-    with pytest.raises(MethodParameterError, match="rolling=false"):
-        model(torch.ones(1, 12, dtype=torch.long), past_key_values=cache)
+    cache = kvopt.cache(f"streamingllm:budget=8,rolling={rolling}", model)
+    with pytest.raises(MethodParameterError, match="rolling=never"):
+        for _ in range(tokens):
+            model(torch.ones(1, 1, dtype=torch.long), past_key_values=cache)
 
 
 # -- parameters -------------------------------------------------------------------------------
@@ -442,6 +460,8 @@ def test_rolling_rejects_length_dependent_rope():
         ("h2o:budget=8,recent=2", "unknown parameter 'recent'"),
         ("morphkv:budget=16,heavy=2", "unknown parameter 'heavy'"),
         ("streamingllm:budget=16,sink=2", "unknown parameter 'sink'"),
+        ("streamingllm:budget=16,rolling=true", "not one of auto, always, never"),
+        ("streamingllm:budget=16,rolling=true", "not one of auto, always, never"),
         ("morphkv:budget=16,window=4,aggregation=mean", "use sum or max"),
         ("h2o", "exactly one of ratio"),
         ("h2o:budget=0", "positive"),
@@ -452,7 +472,7 @@ def test_bad_parameters_say_what_to_do(spec, fragment):
         parse(spec)
 
 
-@pytest.mark.parametrize("spec", [*SPECS, "h2o:ratio=0.5,window=4", "streamingllm:budget=64,sinks=1,rolling=false"])
+@pytest.mark.parametrize("spec", [*SPECS, "h2o:ratio=0.5,window=4", "streamingllm:budget=64,sinks=1,rolling=never"])
 def test_specs_round_trip(spec):
     (method,) = parse(spec)
     assert parse(method.spec())[0] == method

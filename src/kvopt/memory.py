@@ -2,7 +2,9 @@
 
 Per layer and sequence a full cache holds ``2 (K and V) x kv_heads x head_dim x bytes`` per
 token; a sliding-window layer holds at most ``window - 1`` past tokens plus the current one.
-Methods shrink the token count through :meth:`Method.kept_tokens`. These are theoretical sizes;
+Methods shrink the token count through :meth:`Method.kept_tokens` and change the bytes per
+token through :meth:`Method.layer_bytes` (quantization: codes, scales, zero-points and the
+positions of quantized tokens, plus the full-precision residual). These are theoretical sizes;
 ``KVCache.nbytes()`` measures what a live cache really holds.
 """
 
@@ -45,13 +47,18 @@ def estimate(
 ) -> MemoryEstimate:
     """Theoretical KV bytes for ``batch`` sequences of ``seq_len`` tokens under ``methods``."""
     per_layer_token_bytes = bytes_per_token(info, dtype) // info.num_layers
-    tokens = []
+    tokens, total = [], 0
     for window in info.sliding_windows:
         kept = seq_len if window is None else min(seq_len, window)
         for method in methods or []:
             kept = min(kept, method.kept_tokens(seq_len))
         tokens.append(kept)
-    total = sum(tokens) * per_layer_token_bytes * batch
+        layer = kept * per_layer_token_bytes
+        if window is None:  # sliding layers stay in full precision
+            for method in methods or []:
+                stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype))
+                layer = stored if stored is not None else layer
+        total += layer * batch
     return MemoryEstimate(seq_len, batch, bytes_per_token(info, dtype), tuple(tokens), total)
 
 

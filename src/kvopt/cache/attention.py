@@ -199,6 +199,39 @@ def eager_attention(query, keys, values, mask, scaling, softcap=None) -> tuple[t
     return torch.matmul(weights, values), lse
 
 
+def grouped_eager_attention(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`eager_attention` but folds each GQA group into the query axis (no KV copies).
+
+    ``query [B, H, q, D]``, ``keys/values [B, H_kv, T, D]``, ``mask [B, 1 or H_kv, q, T]`` or None;
+    returns ``(output [B, H, q, D], lse [B, H, q])`` in fp32.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    folded = query.float().reshape(batch, kv_heads, group * q_len, dim) * scale
+    scores = torch.matmul(folded, keys.float().transpose(-1, -2))  # [B, H_kv, g*q, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, -1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    output = torch.matmul(weights, values.float())
+    return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
+
+
+def merge_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over the union of disjoint key sets, from each set's ``(output, lse)``."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse for _, lse in parts])  # [P, B, H, q]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total).nan_to_num(0.0)
+    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts)), total
+
+
 def kvopt_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor | None:
     """HF mask-interface hook: hand the 2-D padding mask through untouched (None if no padding)."""
     if attention_mask is None or attention_mask.ndim != 2 or bool(attention_mask.all()):

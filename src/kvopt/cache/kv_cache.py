@@ -77,6 +77,19 @@ class KVCache(Cache):
         self.after_prefill(model, input_ids, attention_mask, tokenizer)
         return output
 
+    def replay_prefill(self, source: KVCache) -> None:
+        """Start from ``source``'s prefilled tokens and let this cache's methods compress them.
+
+        ``source`` comes from :func:`record_prefill`. Because methods act after attention, this
+        equals prefilling this cache directly with the same one forward pass, so one prefill
+        serves many methods (the evaluation grid compares a dozen on each prompt).
+        """
+        steps = [layer.state.get(PREFILL_STEP) for layer in source.layers]
+        if len(source.layers) != len(self.layers) or any(step is None for step in steps):
+            raise CacheUsageError("replay_prefill needs a cache filled by kvopt.cache.record_prefill on the same model")
+        for layer, done, step in zip(self.layers, source.layers, steps):
+            layer.replay_prefill(done, step)
+
     @property
     def spec(self) -> str:
         return "+".join(method.spec() for method in self.methods)
@@ -97,6 +110,39 @@ class KVCache(Cache):
     def __repr__(self) -> str:
         seen = self.get_seq_length()
         return f"KVCache(spec={self.spec!r}, layers={len(self.layers)}, seen={seen}, nbytes={self.nbytes()})"
+
+
+PREFILL_STEP = "record_prefill.step"
+
+
+@dataclass
+class _RecordPrefill(Method):
+    """Keeps each layer's prefill step (its queries) so other caches can replay the prefill."""
+
+    def after_attention(self, layer, step) -> None:
+        if step.is_prefill:
+            layer.state[PREFILL_STEP] = step
+
+
+def record_prefill(model, input_ids, attention_mask=None, **forward_kwargs) -> tuple[KVCache, object]:
+    """Prefill a lossless cache in one forward pass, recording what methods need to replay it.
+
+    Returns ``(cache, model output)``; pass the cache to :meth:`KVCache.replay_prefill`.
+    ``forward_kwargs`` go to the forward call (e.g. ``position_ids``, ``logits_to_keep``).
+    Recording keeps every layer's queries (as large as the keys held).
+    """
+    import torch
+
+    cache = build_cache([_RecordPrefill()], model)
+    for layer in cache.layers:
+        # Keep what a sliding layer would forget: a direct prefill runs its methods before
+        # forgetting, and so does the replay. (The model still masks by the window.)
+        layer.sliding_window = None
+    with torch.no_grad():
+        output = model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **forward_kwargs
+        )
+    return cache, output
 
 
 def build_cache(spec: str | list[Method], model) -> KVCache:

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvopt.cache import attention, ragged
+from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.storage import DenseKVStore
 from kvopt.errors import CacheUsageError
 
@@ -44,6 +45,8 @@ class KVLayer(CacheLayerMixin):
         self.store = DenseKVStore()
         #: Tokens compressed with head-wise budgets (different counts per head), when a method did so.
         self.prefix: ragged.RaggedKV | None = None
+        #: Tokens that left the full-precision residual window, quantized (KIVI), when a method did so.
+        self.quantized: QuantizedKV | None = None
         self.seen = 0
         #: Real (non-padding) tokens seen, summed over the batch.
         self.seen_real = 0
@@ -89,6 +92,7 @@ class KVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store = DenseKVStore()
         self.prefix = None
+        self.quantized = None
         self.seen = self.seen_real = 0
         self.state = {}
         self._parked = None
@@ -119,6 +123,8 @@ class KVLayer(CacheLayerMixin):
     def _require_dense(self, action: str) -> None:
         if self.prefix is not None:
             raise CacheUsageError(f"{action} is not supported after head-wise (ragged) compression such as adakv")
+        if self.quantized is not None:
+            raise CacheUsageError(f"{action} is not supported once tokens are quantized (kivi)")
 
     # -- the read path ------------------------------------------------------------------------
     def attend(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
@@ -134,50 +140,98 @@ class KVLayer(CacheLayerMixin):
         self.seen += new
         self.seen_real += batch * new if valid is None else int(valid.sum())
         store = self.store
+        if self.scoring is not None:
+            real = batch * new if valid is None else int(valid.sum())
+            return self._score_and_forget(module, query, positions, scaling, softcap, new, real)
         heads = slice(0, 1) if store.heads_aligned else slice(None)  # aligned heads: one mask for all
         keys = store.keys
         for method in self.methods:
             keys = method.read_keys(self, keys, positions)
         key_positions = store.positions[:, heads]
         key_valid = None if store.all_valid else store.valid[:, heads]
-        if self.prefix is None:
+        if self.prefix is None and self.quantized is None:
             output = attention.attend(
                 query, keys, store.values, key_positions, key_valid, positions, scaling, sliding_window, softcap
             )
         else:
-            output = self._attend_with_prefix(query, keys, key_positions, key_valid, positions, scaling, softcap)
+            output = self._attend_in_parts(query, keys, key_positions, key_valid, positions, scaling, softcap)
         step = AttentionStep(module, query, positions, scaling, is_prefill)
-        if self.scoring is not None:
-            self._score_and_forget(step, new, batch * new if valid is None else int(valid.sum()))
-            return output
         for method in self.methods:
             method.after_attention(self, step)
         if self.sliding_window is not None:
             self._forget_outside_window()
         return output
 
-    def _score_and_forget(self, step: AttentionStep, new: int, new_real: int) -> None:
-        """Record the max attention the new queries pay to each older token, then drop the new tokens."""
-        from kvopt.methods.scores import attention_probs
+    def replay_prefill(self, source: KVLayer, step: AttentionStep) -> None:
+        """Take a copy of ``source``'s prefilled tokens and run this layer's methods on them.
 
-        probs = attention_probs(self, step)[..., : len(self.store) - new]  # [B, H_kv, g, q, T_old]
-        best = probs.amax(dim=(2, 3))
+        Methods act after attention, so a one-pass prefill's outputs never depend on them: this
+        equals prefilling this layer directly, at the cost of a copy (see :meth:`KVCache.replay_prefill`).
+        """
+        if self.seen or not step.is_prefill:
+            raise CacheUsageError("replay_prefill needs an empty cache and a recorded one-pass prefill")
+        self.dtype, self.device, self.is_initialized = source.dtype, source.device, True
+        self.store = source.store.clone()
+        self.seen, self.seen_real = source.seen, source.seen_real
+        for method in self.methods:
+            method.after_attention(self, step)
+        if self.sliding_window is not None:
+            self._forget_outside_window()
+
+    def _score_and_forget(self, module, query, positions, scaling, softcap, new: int, new_real: int) -> torch.Tensor:
+        """Attend, record the max attention the new queries pay to each older token, drop the new tokens.
+
+        One explicit softmax serves both the scores and the output (no second attention pass).
+        """
+        if self.prefix is not None or self.quantized is not None:
+            raise CacheUsageError("scoring passes (kvzip) need dense storage; put kvzip before adakv or kivi")
+        from kvopt.methods.scores import attention_probs, grouped_attention_output
+
         store = self.store
-        extra = store.extra(self.scoring)[..., : len(store) - new]
-        torch.maximum(extra, best, out=extra)
+        step = AttentionStep(module, query, positions, scaling, False)
+        probs = attention_probs(self, step, softcap=softcap)  # [B, H_kv, g, q, T]
+        old = len(store) - new
+        extra = store.extra(self.scoring)[..., :old]
+        torch.maximum(extra, probs[..., :old].amax(dim=(2, 3)), out=extra)
+        output = grouped_attention_output(probs, store.values).to(query.dtype).contiguous()
         store.end -= new
         self.seen -= new
         self.seen_real -= new_real
+        return output
 
-    def _attend_with_prefix(self, query, keys, key_positions, key_valid, positions, scaling, softcap) -> torch.Tensor:
-        """Attention over the ragged prefix and the dense tokens after it, merged exactly."""
-        if softcap is not None or self.sliding_window is not None:
+    def _attend_in_parts(self, query, keys, key_positions, key_valid, positions, scaling, softcap) -> torch.Tensor:
+        """Attention over the ragged prefix, the quantized tokens and the dense ones, merged exactly."""
+        if self.prefix is not None and (softcap is not None or self.sliding_window is not None):
             raise CacheUsageError("head-wise (ragged) budgets do not support soft-capped or sliding-window layers yet")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        parts = [self.prefix.attend(query, positions, scale)]
+        parts = []
+        if self.prefix is not None:
+            parts.append(self.prefix.attend(query, positions, scale))
+        if self.quantized is not None:
+            parts.append(self.quantized.attend(query, positions, scale, softcap))
         mask = attention.visibility(key_positions, key_valid, positions)
-        parts.append(attention.eager_attention(query, keys, self.store.values, mask, scale))
-        return ragged.merge(parts).to(query.dtype).transpose(1, 2).contiguous()
+        parts.append(attention.grouped_eager_attention(query, keys, self.store.values, mask, scale, softcap))
+        return attention.merge_with_lse(parts)[0].to(query.dtype).transpose(1, 2).contiguous()
+
+    def quantize_oldest(self, bits: int, group: int, residual: int, key_mode: str = "channel") -> None:
+        """Move the oldest dense tokens, whole groups of ``group``, into quantized storage, keeping
+        at least ``residual`` newest tokens in full precision. Sliding layers stay in full precision:
+        their window already bounds them."""
+        if self.sliding_window is not None:
+            return
+        count = (len(self.store) - residual) // group * group
+        if count <= 0:
+            return
+        store = self.store
+        block = QuantizedKV.encode(
+            store.keys[:, :, :count], store.values[:, :, :count], store.positions[:, :, :count],
+            store.valid[:, :, :count], bits, group, key_mode,
+        )  # fmt: skip
+        if self.quantized is None:
+            self.quantized = block
+        else:
+            self.quantized.extend(block)
+        store.drop_oldest(count)
 
     def to_ragged(self, selected: list[torch.Tensor]) -> None:
         """Move the stored tokens at ``selected[b * kv_heads + h]`` into a ragged prefix; empty the dense store."""
@@ -190,6 +244,8 @@ class KVLayer(CacheLayerMixin):
     def kept_per_row(self) -> torch.Tensor:
         """Real tokens held per batch row (on KV head 0)."""
         kept = self.store.valid_counts()
+        if self.quantized is not None:
+            kept = kept + self.quantized.valid_counts()
         if self.prefix is not None:
             prefix = self.prefix.counts()[:, 0]
             kept = prefix if kept.numel() == 0 else kept + prefix
@@ -206,4 +262,5 @@ class KVLayer(CacheLayerMixin):
 
     # -- accounting ---------------------------------------------------------------------------
     def nbytes(self) -> int:
-        return self.store.nbytes() + (self.prefix.nbytes() if self.prefix is not None else 0)
+        parts = (self.store, self.prefix, self.quantized)
+        return sum(part.nbytes() for part in parts if part is not None)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.cache.attention import merge_with_lse
+
 
 @dataclass
 class RaggedKV:
@@ -72,7 +74,4 @@ class RaggedKV:
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine attention results over disjoint key sets: softmax over the union, exactly."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, B, H, q]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total).nan_to_num(0.0)
-    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts))
+    return merge_with_lse(parts)[0]

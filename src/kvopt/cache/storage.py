@@ -23,13 +23,13 @@ TOKEN_AXIS = 2
 
 
 def slack_tokens(tokens: int) -> int:
-    """Free slots to keep beyond ``tokens``: ~3% of the live size, 8 to 64 tokens.
+    """Free slots to keep beyond ``tokens``: ~3% of the live size, 2 to 64 tokens.
 
     Growing by a few percent keeps reallocation copies cheap (amortised O(1) per decoded token
     relative to the attention read) while the bytes held stay within a few percent of the live
     tokens; ``nbytes`` reports them all.
     """
-    return max(8, min(64, tokens // 32))
+    return max(2, min(64, tokens // 32))
 
 
 class DenseKVStore:
@@ -156,6 +156,14 @@ class DenseKVStore:
             raise CacheUsageError("rolling back a cache after per-head eviction is not supported")
         keep = int((self.positions[0, 0] < length).sum()) if len(self) else 0
         self.end = self.start + keep
+
+    def clone(self) -> DenseKVStore:
+        """An independent copy holding the same live tokens (and flags), with the usual slack."""
+        copy = DenseKVStore()
+        if not self.is_empty:
+            copy._install({name: self._live(name) for name in self._buffers}, len(self))
+        copy.all_valid, copy.heads_aligned = self.all_valid, self.heads_aligned
+        return copy
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep or repeat batch rows (beam search, batch filtering)."""

@@ -150,6 +150,7 @@ def evaluate(
     ppl_tokens: Annotated[int, typer.Option(help="tokens of real text streamed for the ppl task")] = 4096,
     ppl_chunk: Annotated[int, typer.Option(help="tokens per forward in the ppl task (1 = pure decode)")] = 1,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="format prompts with the chat template")] = True,
+    share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="kvopt methods replay one lossless prefill per prompt (same results, less time)")] = True,
 ) -> None:
     """Run an accuracy grid (resumable) and write one JSONL row per sample."""
     from kvopt.eval.contenders import split_specs
@@ -158,6 +159,7 @@ def evaluate(
     grid = EvalGrid(
         tasks=_csv(task), lengths=_ints(lengths, "--lengths"), methods=split_specs(methods), depths=depths,
         samples=samples, modes=_csv(mode), seed=seed, chat=chat, ppl_tokens=ppl_tokens, ppl_chunk=ppl_chunk,
+        share_prefill=share_prefill,
     )  # fmt: skip
     path = run_eval(grid, out, model_name=model, log=lambda text: err.print(text, highlight=False, soft_wrap=True))
     console.print(f"results: {path}")

@@ -28,7 +28,11 @@ def run_bench(
     loaded: tuple | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Measure every method at every length; write ``out_dir/bench.jsonl`` (overwritten) and return its rows."""
+    """Measure every method at every length into ``out_dir/bench.jsonl``; return this run's rows.
+
+    Rows of lengths not measured in this run are kept (each length's ratios still come from
+    one run), so long-context speed can be measured separately from short-context runs.
+    """
     from kvopt.eval.tasks.text import real_text
     from kvopt.models.loading import load_model
 
@@ -61,7 +65,10 @@ def run_bench(
                 )
                 log(f"{length:>6} {contender.spec:<28} prefill {outcome.prefill_s:6.2f} s  decode {outcome.decode_tok_s:6.2f} tok/s")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / BENCH_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = out_dir / BENCH_FILE
+    earlier = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    kept = [row for row in earlier if row["length"] not in lengths]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
     return rows
 
 

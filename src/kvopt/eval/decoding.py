@@ -42,6 +42,37 @@ def forward(model, ids: list[int] | torch.Tensor, cache, start: int) -> torch.Te
     return output.logits[0, -1]
 
 
+@dataclass
+class SharedPrefill:
+    """One lossless prefill of a prompt that every kvopt contender replays (methods act after attention)."""
+
+    ids: tuple[int, ...]
+    cache: object
+    logits: torch.Tensor
+    seconds: float
+
+
+@torch.inference_mode()
+def shared_prefill(model, prompt_ids: list[int]) -> SharedPrefill:
+    """Prefill ``prompt_ids`` once with a recording cache (see :meth:`KVCache.replay_prefill`)."""
+    from kvopt.cache import record_prefill
+
+    started = time.perf_counter()
+    ids = torch.as_tensor(prompt_ids, device=model.device)[None]
+    positions = torch.arange(ids.shape[-1], device=model.device)[None]
+    cache, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
+    return SharedPrefill(tuple(prompt_ids), cache, output.logits[0, -1], time.perf_counter() - started)
+
+
+def prefill_prompt(context_ids: list[int], question_ids: list[int], mode: str) -> list[int]:
+    """The tokens compressed at prefill: the context alone (query-agnostic) or context + question."""
+    if mode == QUERY_AGNOSTIC:
+        return list(context_ids)
+    if mode == QUERY_AWARE:
+        return list(context_ids) + list(question_ids)
+    raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+
+
 @torch.inference_mode()
 def run_prompt(
     model,
@@ -52,14 +83,27 @@ def run_prompt(
     mode: str,
     stop_ids: set[int],
     tokenizer=None,
+    shared: SharedPrefill | None = None,
 ) -> Outcome:
-    """Prefill (compressing the context alone, or context+question), then decode greedily."""
+    """Prefill (compressing the context alone, or context+question), then decode greedily.
+
+    With ``shared`` (a :func:`shared_prefill` of the same prompt), a kvopt contender replays that
+    prefill instead of running its own; ``prefill_s`` then includes the shared pass's time.
+    """
+    prompt = prefill_prompt(context_ids, question_ids, mode)
+    replay = shared is not None and contender.family == "kvopt"
+    if replay and shared.ids != tuple(prompt):
+        raise ValueError("the shared prefill was made for another prompt")
     cache = contender.new_cache(model)
     started = time.perf_counter()
-    if mode == QUERY_AGNOSTIC:
+    if replay:
+        cache.replay_prefill(shared.cache)
+        logits = shared.logits
+    else:
         with contender.compressing(model):
-            forward(model, context_ids, cache, 0)
-            contender.after_prefill(model, cache, context_ids, tokenizer)
+            logits = forward(model, prompt, cache, 0)
+    contender.after_prefill(model, cache, prompt, tokenizer)
+    if mode == QUERY_AGNOSTIC:
         if contender.family == "kvpress":
             # Presses with per-layer budgets (PyramidKV) leave layers of different lengths, and HF
             # sizes a multi-token mask from layer 0; one token at a time needs no mask (same result).
@@ -67,13 +111,6 @@ def run_prompt(
                 logits = forward(model, [token], cache, len(context_ids) + offset)
         else:
             logits = forward(model, question_ids, cache, len(context_ids))
-    elif mode == QUERY_AWARE:
-        with contender.compressing(model):
-            prompt = list(context_ids) + list(question_ids)
-            logits = forward(model, prompt, cache, 0)
-            contender.after_prefill(model, cache, prompt, tokenizer)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
     seen = len(context_ids) + len(question_ids)
     peak = contender.held_bytes(cache)
     prefilled = time.perf_counter()
@@ -93,7 +130,7 @@ def run_prompt(
     info = ModelInfo.from_config(model.config)
     return Outcome(
         token_ids=tokens,
-        prefill_s=prefilled - started,
+        prefill_s=prefilled - started + (shared.seconds if replay else 0.0),
         decode_tok_s=steps / (finished - prefilled) if steps else float("nan"),
         kv_bytes_peak=peak,
         kv_bytes_full=estimate(info, seen, dtype=model.dtype).total_bytes,

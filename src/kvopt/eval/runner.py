@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvopt.errors import ContextTooLongError, KVOptError
 from kvopt.eval.contenders import Contender, parse_contender
-from kvopt.eval.decoding import MODES, QUERY_AGNOSTIC, run_prompt, stop_token_ids
+from kvopt.eval.decoding import MODES, QUERY_AGNOSTIC, prefill_prompt, run_prompt, shared_prefill, stop_token_ids
 
 PPL_TASK = "ppl"
 RESULTS_FILE = "eval.jsonl"
@@ -34,6 +34,9 @@ class EvalGrid:
     ppl_tokens: int = 4096
     ppl_chunk: int = 1
     ppl_first: int = 2000
+    #: kvopt contenders replay one lossless prefill per prompt instead of each running its own
+    #: (identical results: methods act after attention; see KVCache.replay_prefill).
+    share_prefill: bool = True
 
     def validate(self, max_positions: int | None) -> None:
         from kvopt.eval.tasks import TASKS
@@ -111,6 +114,7 @@ def run_eval(
     jobs = [job for job in _jobs(grid, runnable, label, TASKS) if row_key(job["row"]) not in done]
     stop_ids = stop_token_ids(tokenizer, model)
     samples: dict[tuple, tuple] = {}
+    shared, shared_for = None, None
 
     with path.open("a") as sink, _progress(progress, len(jobs)) as advance:
         for job in jobs:
@@ -126,9 +130,15 @@ def run_eval(
                     )
                     samples[key] = (sample, format_prompt(tokenizer, sample, grid.chat))
                 sample, (context_ids, question_ids) = samples[key]
+                replay = grid.share_prefill and contender.family == "kvopt"
+                if replay and shared_for != (key, row["mode"]):
+                    shared = None  # free the previous prompt's recording first
+                    shared = shared_prefill(model, prefill_prompt(context_ids, question_ids, row["mode"]))
+                    shared_for = (key, row["mode"])
                 outcome = run_prompt(
-                    model, contender, context_ids, question_ids, sample.max_new_tokens, row["mode"], stop_ids, tokenizer
-                )
+                    model, contender, context_ids, question_ids, sample.max_new_tokens, row["mode"], stop_ids,
+                    tokenizer, shared if replay else None,
+                )  # fmt: skip
                 prediction = tokenizer.decode(outcome.token_ids, skip_special_tokens=True)
                 row.update(
                     score=score(sample, prediction),
@@ -141,6 +151,7 @@ def run_eval(
                     prefill_s=round(outcome.prefill_s, 4),
                     decode_tok_s=round(outcome.decode_tok_s, 3),
                     text_source=sample.metadata.get("text_source"),
+                    prefill_shared=replay,
                 )
             row["wall_s"] = round(time.perf_counter() - started, 3)
             sink.write(json.dumps(row) + "\n")

@@ -76,6 +76,11 @@ class Eviction(Method):
             raise CacheUsageError(
                 f"{self.name} cannot act after adakv's head-wise compression; use one of them, or put {self.name} first"
             )
+        if layer.quantized is not None:
+            raise CacheUsageError(
+                f"{self.name} cannot evict quantized tokens; put {self.name} before kivi in the spec, and use a "
+                "prefill-time method (snapkv, pyramidkv, ...) with kivi"
+            )
         targets = self.targets(layer, step)
         held = len(layer.store)
         slack = self.compress_every - 1 if self.schedule == "decode" else 0

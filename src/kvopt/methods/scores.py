@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 
-def attention_probs(layer, step, last: int | None = None) -> torch.Tensor:
+def attention_probs(layer, step, last: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention (fp32) of the newest ``last`` queries over the layer's stored keys.
 
     Returns ``[batch, kv_heads, group, queries, tokens]``: query heads grouped by the KV head
@@ -22,16 +22,39 @@ def attention_probs(layer, step, last: int | None = None) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     kv_heads = store.keys.shape[1]
     group = heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, group * queries, dim).float()
     scale = step.scaling if step.scaling is not None else dim**-0.5
-    logits = torch.matmul(grouped, store.keys.float().transpose(-1, -2)) * scale
+    grouped = query.reshape(batch, kv_heads, group * queries, dim).float() * scale
+    logits = torch.matmul(grouped, store.keys.float().transpose(-1, -2))
     logits = logits.reshape(batch, kv_heads, group, queries, -1)
-    distance = query_positions[None, None, None, :, None] - store.positions[:, :, None, None, :]
-    visible = (distance >= 0) & store.valid[:, :, None, None, :]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    key_positions = store.positions[:, :, None, None, :]
+    query_positions = query_positions.to(key_positions.dtype)[None, None, None, :, None]
+    newest_stored = store.positions[:, :, -queries:]
+    if layer.sliding_window is None and bool((newest_stored == query_positions[0, 0, 0, :, 0]).all()):
+        # The queries are the newest stored tokens: older slots need only their validity bit,
+        # only the last ``queries`` slots need the causal mask (far less masking work).
+        if not store.all_valid:
+            logits[..., :-queries].masked_fill_(~store.valid[:, :, None, None, :-queries], float("-inf"))
+        causal = key_positions[..., -queries:] <= query_positions
+        logits[..., -queries:].masked_fill_(~(causal & store.valid[:, :, None, None, -queries:]), float("-inf"))
+        return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    visible = (key_positions <= query_positions) & store.valid[:, :, None, None, :]
     if layer.sliding_window is not None:  # what a sliding layer cannot see carries no attention
-        visible = visible & (distance < layer.sliding_window)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        visible = visible & (query_positions - key_positions < layer.sliding_window)
+    logits = logits.masked_fill_(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+
+
+def grouped_attention_output(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention output ``[batch, queries, heads, head_dim]`` from :func:`attention_probs`' weights.
+
+    Lets a caller that needs the probabilities anyway (KVzip's scoring pass) skip a second
+    attention computation; KV heads are read once per group, never expanded.
+    """
+    batch, kv_heads, group, queries, tokens = probs.shape
+    output = torch.matmul(probs.reshape(batch, kv_heads, group * queries, tokens), values.float())
+    return output.reshape(batch, kv_heads * group, queries, -1).transpose(1, 2)
 
 
 def reduce_group(scores: torch.Tensor, how: str = "mean") -> torch.Tensor:

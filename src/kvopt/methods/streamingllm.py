@@ -5,8 +5,8 @@ first tokens are evicted, because they act as "attention sinks". Keep the first 
 tokens and the ``budget - sinks`` most recent ones, the same tokens for every head of a layer
 (scores have a head axis of 1), and evict the middle whenever the cache is over budget.
 
-With ``rolling=True`` (default), attention uses positions *within the cache* (the paper's
-setting, needed to stream past the model's trained context): each step the stored post-RoPE
+With ``rolling=always``, attention uses positions *within the cache* (the paper's setting,
+needed to stream past the model's trained context): each step the stored post-RoPE
 keys are re-rotated, for this read only, by RoPE composition ``R(new) R(old)^-1 = R(new - old)``:
 ``k' = k cos(delta theta) + rotate_half(k) sin(delta theta)``. A live key with ``d`` valid
 slots after it takes position ``p - d``, ``p`` being the newest query's (absolute) position, so
@@ -17,6 +17,13 @@ positions (``d`` counts the chunk's later tokens) and the older keys sit contigu
 before the chunk; causality still follows the stored absolute positions. Padding and
 masked-out slots are not counted, so a left-padded row sees the same distances as alone.
 
+``rolling=auto`` (default) keeps absolute positions while the newest query is inside the
+model's trained context and rolls only beyond it. Inside the context, absolute distances are
+what the model was trained on and keep retrieval intact (on the default model, rolling from the
+start lost passkeys that absolute positions kept); beyond it, in-cache distances (at most the
+budget) are the only ones the model knows. ``rolling=never`` keeps absolute positions, and the
+context limit then holds.
+
 Deviations from the paper and its code:
 
 * Keys are stored post-RoPE at their absolute positions and re-rotated at read time (the
@@ -26,7 +33,7 @@ Deviations from the paper and its code:
   already inside the stored keys and is not applied again.
 * Supports half-split ("rotate_half") RoPE of the default, linear, llama3, yarn and
   proportional kinds, partial rotary included; dynamic-NTK and LongRoPE change frequencies
-  with the sequence length and are rejected (use ``rolling=false``).
+  with the sequence length and are rejected once rolling is needed (use ``rolling=never``).
 * The cache is compressed right after the prefill too (a prompt longer than the budget keeps
   its sinks and its end); the paper streams token by token. ``compress_every`` batches
   evictions, ``ratio`` fixes the budget from the prompt, kvpress-style.
@@ -43,6 +50,7 @@ from kvopt.errors import MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction
 
+ROLLING = ("auto", "always", "never")
 #: RoPE kinds whose frequencies depend on the current sequence length: no fixed re-rotation exists.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -55,19 +63,28 @@ class StreamingLLM(Eviction):
     name = "streamingllm"
     summary = "attention sinks + recent window, layer-shared, positions within the cache (StreamingLLM)"
     schedule = "decode"
-    budget_convention = "budget = tokens kept (sinks included), or ratio = fraction of the prefill removed"
+    budget_convention = (
+        "budget = tokens kept (sinks included), or ratio = fraction of the prefill removed, or sinks + window"
+    )
 
     sinks: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks), in the budget"})
-    rolling: bool = field(
-        default=True, metadata={"help": "attend by positions within the cache (streams past the context)"}
+    rolling: str = field(
+        default="auto",
+        metadata={"help": "positions within the cache: auto (past the trained context only), always, never"},
     )
 
     @property
     def extends_context(self) -> bool:  # the cache lets rolling runs go past max_position_embeddings
-        return self.rolling
+        return self.rolling != "never"
 
     def validate(self) -> None:
+        if self.ratio is None and self.budget is None and self.window > 0:
+            self.budget = self.sinks + self.window  # the paper's "sinks=4,window=1020" = 1024 tokens
         super().validate()
+        if self.rolling not in ROLLING:
+            raise MethodParameterError(
+                f"streamingllm: rolling={self.rolling!r} is not one of {', '.join(ROLLING)}, e.g. streamingllm:rolling=auto"
+            )
         if self.sinks < 0:
             raise MethodParameterError(f"streamingllm: sinks={self.sinks} must be >= 0")
         if self.budget is not None and self.sinks >= self.budget:
@@ -86,21 +103,36 @@ class StreamingLLM(Eviction):
         return torch.where(valid & (rank <= self.sinks), (tokens + self.sinks - rank).float(), recency)
 
     def after_attention(self, layer, step) -> None:
-        if self.rolling and f"{self.name}.inv_freq" not in layer.state:
-            layer.state[f"{self.name}.inv_freq"] = rope_inv_freq(step.module, step.query.shape[-1]).to(
-                step.query.device
-            )
+        if self.rolling != "never" and f"{self.name}.module" not in layer.state:
+            layer.state[f"{self.name}.module"] = step.module
+            if self.rolling == "always":
+                self._inv_freq(layer, step.query)  # reject an unsupported RoPE at once
         super().after_attention(layer, step)
 
+    def _inv_freq(self, layer, like: torch.Tensor) -> torch.Tensor:
+        key = f"{self.name}.inv_freq"
+        if key not in layer.state:
+            layer.state[key] = rope_inv_freq(layer.state[f"{self.name}.module"], like.shape[-1]).to(like.device)
+        return layer.state[key]
+
+    def _rolls(self, layer, newest_position: int) -> bool:
+        if self.rolling == "never" or len(layer.store) == layer.seen:
+            return False  # nothing was ever dropped: slots are positions already
+        if self.rolling == "always":
+            return True
+        config = getattr(layer.state.get(f"{self.name}.module"), "config", None)
+        limit = getattr(config, "max_position_embeddings", None)
+        return limit is not None and newest_position >= limit
+
     def read_keys(self, layer, keys: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-        if not self.rolling or len(layer.store) == layer.seen:
-            return keys  # nothing was ever dropped: slots are positions already
+        if not self._rolls(layer, int(query_positions[-1])):
+            return keys
         store = layer.store
         valid = store.valid
         after = valid.flip(-1).cumsum(dim=-1).flip(-1) - valid.to(torch.long)  # valid slots after each slot
         delta = (query_positions[-1] - after) - store.positions  # [B, H_kv, T]
         delta = delta.masked_fill(~valid, 0)
-        return rerotate(keys, delta, layer.state[f"{self.name}.inv_freq"])
+        return rerotate(keys, delta, self._inv_freq(layer, keys))
 
 
 def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -124,7 +156,7 @@ def rope_inv_freq(module, head_dim: int) -> torch.Tensor:
     if not parameters:
         raise MethodParameterError(
             "streamingllm: rolling positions need a RoPE model whose attention module exposes its config; "
-            "use streamingllm:rolling=false"
+            "use streamingllm:rolling=never"
         )
     layer_type = None
     if "rope_type" not in parameters and getattr(config, "layer_types", None):  # per layer type (e.g. Gemma 3)
@@ -134,7 +166,7 @@ def rope_inv_freq(module, head_dim: int) -> torch.Tensor:
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise MethodParameterError(
             f"streamingllm: rolling positions cannot re-rotate {rope_type!r} RoPE (its frequencies change with "
-            "the sequence length); use streamingllm:rolling=false"
+            "the sequence length); use streamingllm:rolling=never"
         )
     if rope_type == "default":
         base = parameters["rope_theta"]

@@ -37,7 +37,7 @@ class Window(Method):
             require_ratio(self, "ratio")
 
     def check_model(self, model) -> None:
-        if model.max_positions is not None and self.size > model.max_positions:
+        if self.ratio is None and model.max_positions is not None and self.size > model.max_positions:
             raise MethodParameterError(
                 f"window: size={self.size} is larger than the model's context ({model.max_positions} positions); "
                 f"use window:size=N with N <= {model.max_positions}"
