@@ -189,7 +189,9 @@ def test_bad_kivi_parameters_say_what_to_do(spec, fragment):
         parse(spec)
 
 
-@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4", "kivi:bits=8", "snapkv:ratio=0.75+kivi:bits=4"])
+@pytest.mark.parametrize(
+    "spec", ["kivi:bits=2", "kivi:bits=4", "kivi:bits=8", "snapkv:ratio=0.75+kivi:bits=4", "tokenquant:bits=8", "tokenquant:bits=4,group=32"]
+)
 def test_theoretical_size_matches_the_measured_bytes_within_two_percent(spec):
     """`kvopt memory --method` counts codes, scales, zero-points, positions and the residual."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -210,3 +212,21 @@ def test_theoretical_size_matches_the_measured_bytes_within_two_percent(spec):
     info = ModelInfo.from_config(config)
     theoretical = estimate(info, 4000, methods=parse(spec), dtype=torch.float32).total_bytes
     assert abs(cache.nbytes() / theoretical - 1) <= 0.02
+
+
+def test_tokenquant_quantizes_each_token_on_its_own():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 100))
+    cache = kvopt.cache("tokenquant:bits=4,group=16,residual=20", model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    keys, _ = layer.quantized.dequantize()
+    # Reference: each stored token's key, quantized alone in groups of 16 channels.
+    direct = kvopt.cache("full", model)
+    with torch.no_grad():
+        model(ids, past_key_values=direct)
+    original = direct.layers[0].store.keys[:, :, : len(layer.quantized)]
+    expected = reference_quantize(original, 4, 16)
+    assert (keys - expected).abs().max().item() <= 1e-5
+    assert layer.quantized.keys.codes.shape[-2] == len(layer.quantized)  # token axis, not channels

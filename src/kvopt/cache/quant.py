@@ -36,9 +36,10 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``uint8 [..., m]`` -> codes ``uint8 [..., m * 8 / bits]``."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)
+    mask = (1 << bits) - 1
+    # One plain shift-and-mask per field (broadcast shifts over uint8 are ~3x slower on CPU).
+    fields = [(packed >> shift) & mask if shift else packed & mask for shift in range(0, 8, bits)]
+    return torch.stack(fields, dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, ignore: torch.Tensor | None
 
 def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x^ = code * scale + zero``, shape ``[..., n]``, in ``dtype``."""
-    codes = unpack(q.codes, q.bits).float()
+    codes = unpack(q.codes, q.bits).to(torch.float32)
     grouped = codes.reshape(*codes.shape[:-1], -1, q.group)
-    values = grouped * q.scale.float()[..., None] + q.zero.float()[..., None]
+    values = torch.addcmul(q.zero.float()[..., None], grouped, q.scale.float()[..., None])
     return values.reshape(codes.shape).to(dtype)

@@ -21,7 +21,7 @@ from kvopt.cache import quant
 from kvopt.cache.attention import grouped_eager_attention, merge_with_lse, visibility
 
 #: Tokens dequantized at once by attention: bounds the transient full-precision copy.
-BLOCK_TOKENS = 512
+BLOCK_TOKENS = 1024
 KEY_MODES = ("channel", "token")
 
 

@@ -62,7 +62,9 @@ class KIVI(Method):
         quantized = max(kept_tokens - self.residual, 0) // self.group * self.group
         residual = kept_tokens - quantized
         codes = 2 * heads * dim * self.bits // 8
-        params = heads * (dim * 4 / self.group + dim // min(self.group, dim) * 4)
+        per_token_groups = dim // min(self.group, dim) * 4  # fp16 scale + zero per channel group
+        key_params = dim * 4 / self.group if self.key_mode == "channel" else per_token_groups
+        params = heads * (key_params + per_token_groups)
         return int(residual * heads * (2 * dim * element_bytes + 5) + quantized * (codes + params + 5))
 
     def after_attention(self, layer, step) -> None:
