@@ -251,7 +251,7 @@ def test_fast_path_keeps_what_the_slow_reference_keeps(spec):
 
 
 def test_h2o_prefill_scores_are_column_sums_in_any_chunking(monkeypatch):
-    import kvopt.methods.h2o as h2o
+    import kvopt.methods.scores as scores
 
     ids, mask = random_batch([40, 25])
 
@@ -263,7 +263,7 @@ def test_h2o_prefill_scores_are_column_sums_in_any_chunking(monkeypatch):
         return [layer.store.extra("h2o").clone() for layer in cache.layers]
 
     whole = prefill_scores()
-    monkeypatch.setattr(h2o, "CHUNK_ELEMENTS", 1)  # one query at a time
+    monkeypatch.setattr(scores, "CHUNK_ELEMENTS", 1)  # one query at a time
     chunked = prefill_scores()
     for a, b in zip(whole, chunked):
         assert (a - b).abs().max().item() <= 1e-5

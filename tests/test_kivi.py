@@ -101,7 +101,7 @@ def test_kivi_equals_full_while_everything_fits_in_the_residual():
         cache = kvopt.cache(spec, model)
         with torch.no_grad():
             logits.append(model(ids, past_key_values=cache).logits)
-        assert all(layer.quantized is None for layer in cache.layers)
+        assert all(not layer.quantized for layer in cache.layers)
     assert torch.equal(logits[0], logits[1])
 
 
@@ -119,11 +119,11 @@ def test_kivi_holds_the_bytes_its_layout_predicts_and_fewer_with_fewer_bits():
             model(ids, past_key_values=cache)
         layer = cache.layers[0]
         quantized = (300 - 64) // 32 * 32
-        assert len(layer.quantized) == quantized and len(layer.store) == 300 - quantized
+        assert len(layer.quantized[0]) == quantized and len(layer.store) == 300 - quantized
         heads, dim = config.num_key_value_heads, config.head_dim
         codes = 2 * quantized * heads * dim * bits // 8
         params = quantized * heads * dim // 32 * 2 * 2 + quantized * heads * math.ceil(dim / min(32, dim)) * 2 * 2
-        assert layer.quantized.nbytes() == codes + params + quantized * (4 + 1)  # + one shared position row
+        assert layer.quantized[0].nbytes() == codes + params + quantized * (4 + 1)  # + one shared position row
         held[bits] = cache.nbytes()
     assert held[2] < held[4] < held[8] < full.nbytes()
 
@@ -142,7 +142,7 @@ def test_kivi_stays_close_to_full_and_decodes_past_group_boundaries():
     error8 = (torch.stack(steps["kivi:bits=8,residual=16"]) - full).abs().max().item()
     error2 = (torch.stack(steps["kivi:bits=2,residual=16"]) - full).abs().max().item()
     assert error8 < 2e-2 and error8 < error2
-    assert len(caches["kivi:bits=8,residual=16"].layers[0].quantized) == 96  # 130 tokens: 3 groups left the residual
+    assert len(caches["kivi:bits=8,residual=16"].layers[0].quantized[0]) == 96  # 130 tokens: 3 groups left the residual
 
 
 def test_kivi_batches_with_left_padding_count_only_real_tokens():
@@ -177,7 +177,7 @@ def test_kivi_runs_under_generate():
     ids = torch.randint(3, VOCAB, (1, 70))
     cache = kvopt.cache("kivi:bits=4,residual=16", model)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    assert out.shape[1] == 78 and cache.layers[0].quantized is not None
+    assert out.shape[1] == 78 and cache.layers[0].quantized
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,11 @@ def test_bad_kivi_parameters_say_what_to_do(spec, fragment):
 
 
 @pytest.mark.parametrize(
-    "spec", ["kivi:bits=2", "kivi:bits=4", "kivi:bits=8", "snapkv:ratio=0.75+kivi:bits=4", "tokenquant:bits=8", "tokenquant:bits=4,group=32"]
+    "spec",
+    [
+        "kivi:bits=2", "kivi:bits=4", "kivi:bits=8", "snapkv:ratio=0.75+kivi:bits=4", "tokenquant:bits=8",
+        "tokenquant:bits=4,group=32", "mixedkv:high=8,low=2,salient=0.2",
+    ],
 )
 def test_theoretical_size_matches_the_measured_bytes_within_two_percent(spec):
     """`kvopt memory --method` counts codes, scales, zero-points, positions and the residual."""
@@ -221,12 +225,13 @@ def test_tokenquant_quantizes_each_token_on_its_own():
     with torch.no_grad():
         model(ids, past_key_values=cache)
     layer = cache.layers[0]
-    keys, _ = layer.quantized.dequantize()
+    (part,) = layer.quantized
+    keys, _ = part.dequantize()
     # Reference: each stored token's key, quantized alone in groups of 16 channels.
     direct = kvopt.cache("full", model)
     with torch.no_grad():
         model(ids, past_key_values=direct)
-    original = direct.layers[0].store.keys[:, :, : len(layer.quantized)]
+    original = direct.layers[0].store.keys[:, :, : len(part)]
     expected = reference_quantize(original, 4, 16)
     assert (keys - expected).abs().max().item() <= 1e-5
-    assert layer.quantized.keys.codes.shape[-2] == len(layer.quantized)  # token axis, not channels
+    assert part.keys.codes.shape[-2] == len(part)  # token axis, not channels

@@ -45,8 +45,9 @@ class KVLayer(CacheLayerMixin):
         self.store = DenseKVStore()
         #: Tokens compressed with head-wise budgets (different counts per head), when a method did so.
         self.prefix: ragged.RaggedKV | None = None
-        #: Tokens that left the full-precision residual window, quantized (KIVI), when a method did so.
-        self.quantized: QuantizedKV | None = None
+        #: Tokens that left the full-precision residual window, quantized; one part per setting
+        #: (KIVI: one; mixed precision: one per bit width).
+        self.quantized: list[QuantizedKV] = []
         self.seen = 0
         #: Real (non-padding) tokens seen, summed over the batch.
         self.seen_real = 0
@@ -92,7 +93,7 @@ class KVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store = DenseKVStore()
         self.prefix = None
-        self.quantized = None
+        self.quantized = []
         self.seen = self.seen_real = 0
         self.state = {}
         self._parked = None
@@ -123,7 +124,7 @@ class KVLayer(CacheLayerMixin):
     def _require_dense(self, action: str) -> None:
         if self.prefix is not None:
             raise CacheUsageError(f"{action} is not supported after head-wise (ragged) compression such as adakv")
-        if self.quantized is not None:
+        if self.quantized:
             raise CacheUsageError(f"{action} is not supported once tokens are quantized (kivi)")
 
     # -- the read path ------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class KVLayer(CacheLayerMixin):
             keys = method.read_keys(self, keys, positions)
         key_positions = store.positions[:, heads]
         key_valid = None if store.all_valid else store.valid[:, heads]
-        if self.prefix is None and self.quantized is None:
+        if self.prefix is None and not self.quantized:
             output = attention.attend(
                 query, keys, store.values, key_positions, key_valid, positions, scaling, sliding_window, softcap
             )
@@ -183,7 +184,7 @@ class KVLayer(CacheLayerMixin):
 
         One explicit softmax serves both the scores and the output (no second attention pass).
         """
-        if self.prefix is not None or self.quantized is not None:
+        if self.prefix is not None or self.quantized:
             raise CacheUsageError("scoring passes (kvzip) need dense storage; put kvzip before adakv or kivi")
         from kvopt.methods.scores import attention_probs, grouped_attention_output
 
@@ -207,8 +208,7 @@ class KVLayer(CacheLayerMixin):
         parts = []
         if self.prefix is not None:
             parts.append(self.prefix.attend(query, positions, scale))
-        if self.quantized is not None:
-            parts.append(self.quantized.attend(query, positions, scale, softcap))
+        parts.extend(part.attend(query, positions, scale, softcap) for part in self.quantized)
         mask = attention.visibility(key_positions, key_valid, positions)
         parts.append(attention.grouped_eager_attention(query, keys, self.store.values, mask, scale, softcap))
         return attention.merge_with_lse(parts)[0].to(query.dtype).transpose(1, 2).contiguous()
@@ -227,11 +227,16 @@ class KVLayer(CacheLayerMixin):
             store.keys[:, :, :count], store.values[:, :, :count], store.positions[:, :, :count],
             store.valid[:, :, :count], bits, group, key_mode,
         )  # fmt: skip
-        if self.quantized is None:
-            self.quantized = block
-        else:
-            self.quantized.extend(block)
+        self.add_quantized(block)
         store.drop_oldest(count)
+
+    def add_quantized(self, block: QuantizedKV) -> None:
+        """Append quantized tokens to the part with the same settings (or start a new part)."""
+        for part in self.quantized:
+            if part.same_format(block):
+                part.extend(block)
+                return
+        self.quantized.append(block)
 
     def to_ragged(self, selected: list[torch.Tensor]) -> None:
         """Move the stored tokens at ``selected[b * kv_heads + h]`` into a ragged prefix; empty the dense store."""
@@ -244,8 +249,8 @@ class KVLayer(CacheLayerMixin):
     def kept_per_row(self) -> torch.Tensor:
         """Real tokens held per batch row (on KV head 0)."""
         kept = self.store.valid_counts()
-        if self.quantized is not None:
-            kept = kept + self.quantized.valid_counts()
+        for part in self.quantized:
+            kept = kept + part.valid_counts()
         if self.prefix is not None:
             prefix = self.prefix.counts()[:, 0]
             kept = prefix if kept.numel() == 0 else kept + prefix
@@ -262,5 +267,5 @@ class KVLayer(CacheLayerMixin):
 
     # -- accounting ---------------------------------------------------------------------------
     def nbytes(self) -> int:
-        parts = (self.store, self.prefix, self.quantized)
+        parts = (self.store, self.prefix, *self.quantized)
         return sum(part.nbytes() for part in parts if part is not None)

@@ -62,10 +62,13 @@ class QuantizedKV:
     def group(self) -> int:
         return self.keys.group
 
+    def same_format(self, other: QuantizedKV) -> bool:
+        return (other.bits, other.group, other.key_mode) == (self.bits, self.group, self.key_mode)
+
     def extend(self, other: QuantizedKV) -> None:
         """Append newer tokens (quantized with the same settings)."""
-        if (other.bits, other.group, other.key_mode) != (self.bits, self.group, self.key_mode):
-            raise ValueError("quantized blocks of one layer must share bits, group and key mode")
+        if not self.same_format(other):
+            raise ValueError("quantized blocks of one part must share bits, group and key mode")
         key_axis = -1 if self.key_mode == "channel" else 2
         self.keys = _cat(self.keys, other.keys, key_axis)
         self.values = _cat(self.values, other.values, 2)

@@ -76,7 +76,7 @@ class Eviction(Method):
             raise CacheUsageError(
                 f"{self.name} cannot act after adakv's head-wise compression; use one of them, or put {self.name} first"
             )
-        if layer.quantized is not None:
+        if layer.quantized:
             raise CacheUsageError(
                 f"{self.name} cannot evict quantized tokens; put {self.name} before kivi in the spec, and use a "
                 "prefill-time method (snapkv, pyramidkv, ...) with kivi"

@@ -32,10 +32,7 @@ import torch
 
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction
-from kvopt.methods.scores import attention_probs
-
-#: Bound on the fp32 attention block scored at once (elements), so long prompts never build n x n probabilities.
-CHUNK_ELEMENTS = 1 << 26
+from kvopt.methods.scores import accumulate_attention
 
 
 @register
@@ -69,21 +66,7 @@ class H2O(Eviction):
         super().after_attention(layer, step)  # the recent window is protected by ``score`` (it may differ per row)
 
     def accumulate(self, layer, step) -> None:
-        """Add the new queries' attention, summed over queries and averaged over the GQA group."""
-        store = layer.store
-        if not store.has_extra(self.name):
-            store.add_extra(self.name)
-        scores = store.extra(self.name)
-        batch, heads, queries, _ = step.query.shape
-        chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * len(store)))
-        for start in range(0, queries, chunk):
-            part = dataclasses.replace(
-                step,
-                query=step.query[:, :, start : start + chunk],
-                query_positions=step.query_positions[start : start + chunk],
-            )
-            probs = attention_probs(layer, part)  # [B, H_kv, g, q, T]
-            scores += probs.sum(dim=3).mean(dim=2)
+        accumulate_attention(layer, step, self.name)
 
     def score(self, layer, step) -> torch.Tensor:
         scores = layer.store.extra(self.name)  # [B, H_kv, T]

@@ -6,8 +6,13 @@ selection (mean by default), so selection happens per KV head, the granularity o
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+#: Bound on the fp32 attention block scored at once (elements), so long prompts never build n x n probabilities.
+CHUNK_ELEMENTS = 1 << 26
 
 
 def attention_probs(layer, step, last: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -81,3 +86,25 @@ def pool(scores: torch.Tensor, kernel: int, kind: str = "avg") -> torch.Tensor:
     else:
         raise ValueError(f"unknown pooling {kind!r}; use avg or max")
     return pooled[..., : shape[-1]].reshape(shape)
+
+
+def accumulate_attention(layer, step, name: str, last: int | None = None) -> None:
+    """Add the attention of the newest ``last`` queries (all if None) to the store extra ``name``.
+
+    Summed over queries, averaged over each GQA group, per stored token; scored in chunks of
+    queries so a long prompt never builds its whole attention matrix (H2O, mixed precision).
+    """
+    store = layer.store
+    if not store.has_extra(name):
+        store.add_extra(name)
+    scores = store.extra(name)
+    query, query_positions = step.query, step.query_positions
+    if last is not None:
+        query, query_positions = query[:, :, -last:], query_positions[-last:]
+    batch, heads, queries, _ = query.shape
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * len(store)))
+    for start in range(0, queries, chunk):
+        part = dataclasses.replace(
+            step, query=query[:, :, start : start + chunk], query_positions=query_positions[start : start + chunk]
+        )
+        scores += attention_probs(layer, part).sum(dim=3).mean(dim=2)

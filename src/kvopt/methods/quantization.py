@@ -1,0 +1,65 @@
+"""The shared part of quantization methods: group, residual window, validation and sizes.
+
+A quantization method keeps the newest ``residual`` tokens of each layer in full precision
+and moves older ones, whole groups of ``group`` tokens at a time, into packed storage
+(:mod:`kvopt.cache.quantized`). Subclasses decide the bits of each token (KIVI: one width;
+mixed precision: by importance) and describe them in :meth:`Quantization.bit_classes`, from
+which the theoretical size follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvopt.cache.quant import BITS
+from kvopt.errors import MethodParameterError
+from kvopt.methods.base import Method
+
+#: int32 position + validity byte stored per quantized token (per KV head unless heads are aligned).
+BOOKKEEPING_BYTES = 5
+
+
+@dataclass
+class Quantization(Method):
+    group: int = field(default=32, metadata={"help": "tokens per key group (channels per value group)"})
+    residual: int = field(default=128, metadata={"help": "newest tokens kept in full precision"})
+
+    budget_convention = "keeps every token; stores older ones in fewer bits"
+    #: How keys are grouped: per channel over tokens (KIVI) or per token over channels.
+    key_mode = "channel"
+    #: Whether all KV heads quantize the same tokens (one position row for all heads).
+    heads_aligned = True
+
+    def validate(self) -> None:
+        if self.group < 8 or self.group % 8:
+            raise MethodParameterError(f"{self.name}: group={self.group} must be a positive multiple of 8, e.g. 32")
+        if self.residual < 0:
+            raise MethodParameterError(f"{self.name}: residual={self.residual} must be >= 0")
+
+    def check_bits(self, name: str, value: int) -> None:
+        if value not in BITS:
+            raise MethodParameterError(f"{self.name}: {name}={value} is not supported; use one of {BITS}")
+
+    def check_model(self, model) -> None:
+        if model.head_dim % min(self.group, model.head_dim):
+            raise MethodParameterError(
+                f"{self.name}: group={self.group} does not divide head_dim={model.head_dim}; use a divisor such as 32"
+            )
+
+    def bit_classes(self, quantized_tokens: int) -> list[tuple[int, int]]:
+        """``(bits, tokens)`` of the quantized tokens of one layer and sequence."""
+        raise NotImplementedError
+
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int) -> int:
+        """Residual at full precision (with its positions and validity bytes per head); quantized
+        tokens: packed codes, fp16 scale and zero per key group (per channel over ``group`` tokens,
+        or per token) and per value group (per token, ``group`` channels), and bookkeeping."""
+        heads, dim = model.num_kv_heads, model.head_dim
+        quantized = max(kept_tokens - self.residual, 0) // self.group * self.group
+        residual = kept_tokens - quantized
+        per_token_groups = dim // min(self.group, dim) * 4  # fp16 scale + zero per channel group
+        key_params = dim * 4 / self.group if self.key_mode == "channel" else per_token_groups
+        params = heads * (key_params + per_token_groups)
+        bookkeeping = BOOKKEEPING_BYTES * (1 if self.heads_aligned else heads)
+        codes = sum(tokens * 2 * heads * dim * bits // 8 for bits, tokens in self.bit_classes(quantized))
+        return int(residual * heads * (2 * dim * element_bytes + BOOKKEEPING_BYTES) + codes + quantized * (params + bookkeeping))
