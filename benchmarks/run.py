@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,17 +37,28 @@ RATIOS = [0.5, 0.75, 0.9]
 OURS = ["window", "streamingllm", "snapkv", "pyramidkv", "adakv", "tova", "kvzip"]
 #: Decode speed at 4k context, each method at 75% removed, next to `full` and plain HF.
 SPEED_METHODS = ["full", *(f"{m}:ratio=0.75" for m in OURS if m != "window"), "window:size=1024"]
+#: Quantized caches next to HF's QuantizedCache (quanto backend) at equal bits.
+QUANT = ["kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "tokenquant:bits=8", "tokenquant:bits=4", "mixedkv"]
+QUANT_PEERS = ["hf-quanto:bits=4", "hf-quanto:bits=2"]
+#: Accuracy of quantization and of eviction + quantization, in the query-agnostic grid.
+QUANT_ACCURACY = ["kivi:bits=4", "kivi:bits=2", "mixedkv", "snapkv:ratio=0.75+kivi:bits=4", "hf-quanto:bits=4"]
+#: Decode speed and peak process memory, one fresh process per run (benchmarks/decode_memory.py).
+DECODE_MEMORY = ["hf", "full", "kivi:bits=4", "hf-quanto:bits=4", "kivi:bits=2", "hf-quanto:bits=2"]
 
 
-def agnostic_methods() -> list[str]:
+def eviction_methods() -> list[str]:
     ours = ["full", *(f"{method}:ratio={r}" for method in OURS for r in RATIOS)]
     peers = [f"kvpress:{press}:ratio={r}" for press in PRESSES for r in RATIOS]
     return ours + peers
 
 
+def agnostic_methods() -> list[str]:
+    return eviction_methods() + QUANT_ACCURACY
+
+
 def aware_methods() -> list[str]:
-    """Query-aware: every method but kvzip, whose reconstruction pass targets the query-agnostic case."""
-    return [spec for spec in agnostic_methods() if not spec.startswith("kvzip")]
+    """Query-aware: every eviction method but kvzip, whose reconstruction pass targets the query-agnostic case."""
+    return [spec for spec in eviction_methods() if not spec.startswith("kvzip")]
 
 
 def load_times() -> tuple[float, float]:
@@ -75,9 +87,14 @@ def main() -> None:
     parser.add_argument("--ppl-tokens", type=int, default=8000)
     parser.add_argument("--ppl-chunk", type=int, default=32)
     parser.add_argument("--ppl-methods", default="full,window:size=1024,streamingllm:sinks=4,window=1020")
+    parser.add_argument("--quant-ppl-tokens", type=int, default=4096)
+    parser.add_argument("--quant-ppl-methods", default=",".join(["full", *QUANT, *QUANT_PEERS]))
+    parser.add_argument("--memory-lengths", default="4096,8000")
+    parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
+    parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps", default="load,agnostic,ppl,bench,speed,aware",
-        help="comma-separated subset of load,agnostic,ppl,bench,speed,aware",
+        "--steps", default="load,agnostic,ppl,quant-ppl,memory,bench,speed,aware",
+        help="comma-separated subset of load,agnostic,ppl,quant-ppl,memory,bench,speed,aware",
     )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
@@ -120,8 +137,81 @@ def main() -> None:
         )  # fmt: skip
         run_eval(ppl, args.results, loaded=loaded)
         timings["perplexity"] = time.perf_counter() - start
+    if "quant-ppl" in steps:
+        start = time.perf_counter()
+        ppl = EvalGrid(
+            tasks=["ppl"], lengths=[], methods=split_specs(args.quant_ppl_methods), ppl_tokens=args.quant_ppl_tokens,
+            ppl_chunk=args.ppl_chunk,
+        )  # fmt: skip
+        run_eval(ppl, args.results, loaded=loaded)
+        timings["perplexity (quantization)"] = time.perf_counter() - start
+    if "memory" in steps:
+        start = time.perf_counter()
+        decode_memory(_ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens, args.results)
+        timings["decode speed and memory"] = time.perf_counter() - start
     save_timings(args.results, timings)
     compose(args, timings)
+
+
+MEMORY_FILE = "decode_memory.jsonl"
+
+
+def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path) -> None:
+    """One fresh process per (length, method, repeat), methods interleaved within each repeat."""
+    rows = []
+    for length in lengths:
+        for repeat in range(repeats):
+            for spec in specs:
+                command = [sys.executable, str(ROOT / "benchmarks" / "decode_memory.py"), "--spec", spec,
+                           "--length", str(length), "--new-tokens", str(new_tokens)]  # fmt: skip
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    print(f"decode_memory {spec} @ {length} failed:\n{done.stderr[-2000:]}")
+                    continue
+                row = json.loads(done.stdout.strip().splitlines()[-1]) | {"repeat": repeat}
+                print(row)
+                rows.append(row)
+    (results / MEMORY_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def memory_section(results: Path) -> list[str]:
+    """Decode speed, KV bytes and peak process memory per (length, method), vs HF's QuantizedCache."""
+    path = results / MEMORY_FILE
+    if not path.exists():
+        return []
+    from kvopt.memory import estimate, human_bytes
+    from kvopt.models.info import ModelInfo
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    info = ModelInfo.from_config(load_model()[0].config)
+    grouped: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["length"], row["method"]), []).append(row)
+    median = lambda key, group: statistics.median(r[key] for r in group)  # noqa: E731
+    lines = [
+        "## Quantized caches: bytes, decode speed and peak memory (vs HF QuantizedCache)",
+        "",
+        "One fresh process per run; KV bytes measured from the tensors after the prompt and "
+        f"{rows[0]['new_tokens']} decoded tokens; fp16-equivalent = a full cache stored in fp16 "
+        "(the model runs in fp32 here, so `full` is 2x that). Peak RSS is the process high-water mark "
+        "during decoding (reset after the prefill; model weights included), growth = its excess over the "
+        "RSS when decoding began. Speed ratio: vs `hf-quanto` at the same bits (same length).",
+        "",
+        "| length | method | decode tok/s | vs quanto | KV held | x fp16 full | x fp32 full | peak RSS | RSS growth |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (length, spec), group in sorted(grouped.items()):
+        fp16 = estimate(info, length + group[0]["new_tokens"], dtype=torch.float16).total_bytes
+        kv = median("kv_bytes", group)
+        bits = re.search(r"bits=(\d)", spec)
+        peer = grouped.get((length, f"hf-quanto:bits={bits.group(1)}")) if bits and not spec.startswith("hf") else None
+        speed = median("decode_tok_s", group)
+        ratio = f"{speed / median('decode_tok_s', peer):.2f}x" if peer else "–"
+        lines.append(
+            f"| {length} | `{spec}` | {speed:.2f} | {ratio} | {human_bytes(kv)} | {kv / fp16:.3f} | {kv / fp16 / 2:.3f} | "
+            f"{median('decode_peak_rss_mb', group):.0f} MB | {median('decode_rss_growth_mb', group):.1f} MB |"
+        )
+    return lines + [""]
 
 
 def _ints(text: str) -> list[int]:
@@ -172,7 +262,7 @@ def compose(args, timings: dict[str, float]) -> None:
         f"decoded tokens, median of {args.repeats}.",
         "",
     ]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(header) + report)
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(header) + report + "\n".join(["", *memory_section(args.results)]))
     print((ROOT / "BENCHMARKS.md").read_text())
 
 

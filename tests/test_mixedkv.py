@@ -21,7 +21,7 @@ def reference_high_positions(model, ids, residual, group, salient, probe) -> lis
         attentions = eager(ids, output_attentions=True).attentions
     n = ids.shape[1]
     probes = max(1, math.ceil(probe * n))
-    quantized = (n - residual) // group * group
+    quantized = n // group * group
     high = round(salient * quantized / group) * group
     kv_heads = model.config.num_key_value_heads
     group_size = model.config.num_attention_heads // kv_heads
@@ -45,13 +45,13 @@ def reference_high_positions(model, ids, residual, group, salient, probe) -> lis
 def test_mixedkv_puts_the_reference_salient_tokens_in_high_bits():
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(5))
-    cache = kvopt.cache("mixedkv:high=8,low=2,salient=0.25,residual=24,group=16,probe=0.2,every=32", model)
+    cache = kvopt.cache("mixedkv:high=8,low=2,salient=0.25,residual=24,group=16,probe=0.2", model)
     with torch.no_grad():
         model(ids, past_key_values=cache)
     expected = reference_high_positions(model, ids, residual=24, group=16, salient=0.25, probe=0.2)
     for layer, heads in zip(cache.layers, expected):
         parts = {part.bits: part for part in layer.quantized}
-        assert len(parts[8]) == 32 and len(parts[2]) == 64  # 96 quantized: 2 of 6 groups salient
+        assert len(parts[8]) == 32 and len(parts[2]) == 80  # 112 quantized: 2 of 7 groups salient
         for head, positions in enumerate(heads):
             assert set(parts[8].positions[0, head].tolist()) == positions
             assert set(parts[2].positions[0, head].tolist()).isdisjoint(positions)
@@ -61,7 +61,7 @@ def test_mixedkv_holds_bytes_between_its_two_widths_and_reevaluates_while_decodi
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (1, 300))
     held = {}
-    for spec in ("kivi:bits=2,residual=32", "mixedkv:high=4,low=2,salient=0.25,residual=32,every=32", "kivi:bits=4,residual=32"):
+    for spec in ("kivi:bits=2,residual=32", "mixedkv:high=4,low=2,salient=0.25,residual=32", "kivi:bits=4,residual=32"):
         cache = kvopt.cache(spec, model)
         with torch.no_grad():
             model(ids, past_key_values=cache)
@@ -69,7 +69,7 @@ def test_mixedkv_holds_bytes_between_its_two_widths_and_reevaluates_while_decodi
                 logits = model(torch.tensor([[5 + t]]), past_key_values=cache).logits
         assert torch.isfinite(logits).all()
         held[spec] = cache.nbytes()
-    assert held["kivi:bits=2,residual=32"] < held["mixedkv:high=4,low=2,salient=0.25,residual=32,every=32"] < held["kivi:bits=4,residual=32"]
+    assert held["kivi:bits=2,residual=32"] < held["mixedkv:high=4,low=2,salient=0.25,residual=32"] < held["kivi:bits=4,residual=32"]
     layer = cache.layers[0]
     assert sum(len(p) for p in layer.quantized) + len(layer.store) == 370
 
@@ -79,7 +79,6 @@ def test_mixedkv_holds_bytes_between_its_two_widths_and_reevaluates_while_decodi
     [
         ("mixedkv:high=2,low=4", "must exceed low"),
         ("mixedkv:salient=1.5", r"\[0, 1\]"),
-        ("mixedkv:every=40", "multiple of group"),
         ("mixedkv:high=3", "high=3 is not supported"),
     ],
 )

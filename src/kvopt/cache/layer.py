@@ -214,14 +214,13 @@ class KVLayer(CacheLayerMixin):
         return attention.merge_with_lse(parts)[0].to(query.dtype).transpose(1, 2).contiguous()
 
     def quantize_oldest(self, bits: int, group: int, residual: int, key_mode: str = "channel") -> None:
-        """Move the oldest dense tokens, whole groups of ``group``, into quantized storage, keeping
-        at least ``residual`` newest tokens in full precision. Sliding layers stay in full precision:
+        """Once ``residual`` full-precision tokens are held, quantize all whole groups of ``group``
+        (the oldest), leaving fewer than ``group`` in full precision (KIVI's key schedule, so the
+        full-precision part stays below ``residual`` tokens). Sliding layers stay in full precision:
         their window already bounds them."""
-        if self.sliding_window is not None:
+        if self.sliding_window is not None or len(self.store) < max(residual, group):
             return
-        count = (len(self.store) - residual) // group * group
-        if count <= 0:
-            return
+        count = len(self.store) // group * group
         store = self.store
         block = QuantizedKV.encode(
             store.keys[:, :, :count], store.values[:, :, :count], store.positions[:, :, :count],

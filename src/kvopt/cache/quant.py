@@ -1,13 +1,15 @@
-"""Asymmetric min-max quantization in groups along the last axis, with codes bit-packed into bytes.
+"""Asymmetric min-max quantization of groups along one axis, with codes bit-packed into bytes.
 
 The codec every quantized store uses (KIVI, Liu et al., arXiv 2402.02750, section 3): per group
-of ``G`` consecutive elements, ``zero = min`` and ``scale = (max - min) / (2^b - 1)``, codes
-``q = clamp(round((x - zero) / scale), 0, 2^b - 1)`` and ``x^ = q * scale + zero``. Scales and
-zero-points are kept in fp16 and the codes are computed against the *stored* fp16 values, so
-the round-trip error stays within half a step. Codes of ``b`` bits are packed ``8 / b`` per
-byte (uint8), element ``i`` of a byte in bits ``[i*b, (i+1)*b)``: real storage, not int8
-tensors holding small numbers. This module is the kernel boundary: a GPU kernel can replace
-:func:`quantize` / :func:`dequantize` without touching the stores.
+of ``G`` elements along axis ``dim``, ``zero = min`` and ``scale = (max - min) / (2^b - 1)``,
+codes ``q = clamp(round((x - zero) / scale), 0, 2^b - 1)`` and ``x^ = q * scale + zero``. Scales
+and zero-points are kept in fp16 and the codes are computed against the *stored* fp16 values,
+so the round-trip error stays within half a step. Codes of ``b`` bits are packed ``8 / b`` per
+byte (uint8) along the group axis, *planar*: byte ``j`` holds elements ``j, j + G/k, ...``
+(``k = 8 / b``), so unpacking is ``k`` shift-and-mask passes concatenated, with no interleaving
+(several times faster on CPU than an interleaved layout). Groups are whole tensors slices, so a
+range of groups can be dequantized on its own. This module is the kernel boundary: a GPU
+kernel can replace :func:`quantize` / :func:`dequantize` without touching the stores.
 """
 
 from __future__ import annotations
@@ -20,73 +22,83 @@ BITS = (2, 4, 8)
 PARAM_DTYPE = torch.float16
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes [..., n]`` (values < 2^bits) -> ``uint8 [..., n * bits / 8]``; ``n`` must be a multiple of ``8 / bits``."""
+def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Codes (values < 2^bits) -> ``uint8``, ``8 / bits`` per byte along ``dim`` (planar; size must divide)."""
     per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ValueError(f"cannot pack {codes.shape[-1]} codes of {bits} bits into whole bytes")
+    size = codes.shape[dim]
+    if size % per_byte:
+        raise ValueError(f"cannot pack {size} codes of {bits} bits into whole bytes")
+    codes = codes.to(torch.uint8)
     if bits == 8:
-        return codes.to(torch.uint8)
-    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+        return codes
+    fields = codes.chunk(per_byte, dim=dim)
+    packed = fields[0].clone()
+    for index, field in enumerate(fields[1:], 1):
+        packed |= field << (index * bits)
+    return packed
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``uint8 [..., m]`` -> codes ``uint8 [..., m * 8 / bits]``."""
+def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`pack` along ``dim``: ``uint8`` codes, ``8 / bits`` times longer on ``dim``."""
     if bits == 8:
         return packed
     mask = (1 << bits) - 1
-    # One plain shift-and-mask per field (broadcast shifts over uint8 are ~3x slower on CPU).
-    fields = [(packed >> shift) & mask if shift else packed & mask for shift in range(0, 8, bits)]
-    return torch.stack(fields, dim=-1).reshape(*packed.shape[:-1], -1)
+    fields = [packed & mask if not shift else (packed >> shift) & mask for shift in range(0, 8, bits)]
+    return torch.cat(fields, dim=dim)
 
 
 @dataclass
 class QuantizedGroups:
-    """Packed codes ``[..., n * bits / 8]`` with fp16 ``scale``/``zero`` ``[..., n / group]``."""
+    """Packed codes (group axis ``dim`` shortened ``8 / bits`` times) with fp16 ``scale``/``zero``
+    (group axis of size 1), one scale and zero-point per group."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
-    group: int
+    dim: int
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
+    def select(self, axis: int, start: int, stop: int) -> QuantizedGroups:
+        """Groups ``start:stop`` along ``axis`` (an axis other than the group axis)."""
+        part = lambda t: t.narrow(axis, start, stop - start)  # noqa: E731
+        return QuantizedGroups(part(self.codes), part(self.scale), part(self.zero), self.bits, self.dim)
 
-def quantize(x: torch.Tensor, bits: int, group: int, ignore: torch.Tensor | None = None) -> QuantizedGroups:
-    """Quantize ``x [..., n]`` in groups of ``group`` consecutive elements of the last axis.
+    @staticmethod
+    def cat(parts: list[QuantizedGroups], axis: int) -> QuantizedGroups:
+        first = parts[0]
+        joined = [torch.cat([getattr(p, name) for p in parts], axis) for name in ("codes", "scale", "zero")]
+        return QuantizedGroups(*joined, first.bits, first.dim)
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int = -1, ignore: torch.Tensor | None = None) -> QuantizedGroups:
+    """Quantize ``x`` with one group per slice along ``dim`` (e.g. ``[..., groups, G]`` with ``dim=-1``).
 
     ``ignore`` (bool, broadcastable to ``x``) marks elements left out of the min/max (padding);
     they are still encoded, clamped into their group's range.
     """
     if bits not in BITS:
         raise ValueError(f"bits={bits} is not supported; use one of {BITS}")
-    n = x.shape[-1]
-    if n % group:
-        raise ValueError(f"the quantized axis has {n} elements, not a multiple of group={group}")
-    grouped = x.float().reshape(*x.shape[:-1], n // group, group)
+    x = x.float()
     if ignore is not None:
-        hidden = ignore.expand(x.shape).reshape(grouped.shape)
-        low = grouped.masked_fill(hidden, float("inf")).amin(dim=-1)
-        high = grouped.masked_fill(hidden, float("-inf")).amax(dim=-1)
+        hidden = ignore.expand(x.shape)
+        low = x.masked_fill(hidden, float("inf")).amin(dim=dim, keepdim=True)
+        high = x.masked_fill(hidden, float("-inf")).amax(dim=dim, keepdim=True)
         empty = torch.isinf(low)  # a group of padding only
         low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
     else:
-        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     levels = (1 << bits) - 1
     span = high - low
     scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(PARAM_DTYPE)
     zero = low.to(PARAM_DTYPE)
-    codes = torch.round((grouped - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, levels)
-    return QuantizedGroups(pack(codes.reshape(x.shape), bits), scale, zero, bits, group)
+    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels)
+    return QuantizedGroups(pack(codes, bits, dim), scale, zero, bits, dim)
 
 
 def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x^ = code * scale + zero``, shape ``[..., n]``, in ``dtype``."""
-    codes = unpack(q.codes, q.bits).to(torch.float32)
-    grouped = codes.reshape(*codes.shape[:-1], -1, q.group)
-    values = torch.addcmul(q.zero.float()[..., None], grouped, q.scale.float()[..., None])
-    return values.reshape(codes.shape).to(dtype)
+    """``x^ = code * scale + zero`` in ``dtype``, the shape ``x`` had."""
+    codes = unpack(q.codes, q.bits, q.dim).to(torch.float32)
+    return (codes * q.scale.float() + q.zero.float()).to(dtype)

@@ -1,13 +1,15 @@
-"""Quantized KV storage for the tokens that left a layer's full-precision residual window.
+"""Quantized KV storage for the tokens that left a layer's full-precision residual.
 
 Layout (KIVI, arXiv 2402.02750): keys are quantized **per channel** in groups of ``group``
-consecutive tokens (outlier channels get their own range), values **per token** in groups of
-``group`` channels; codes are bit-packed (:mod:`kvopt.cache.quant`). Tokens arrive in whole key
-groups, oldest first, and are appended; positions and validity follow them (one row for all
-heads while the heads hold the same tokens), so attention masks stay exact after eviction.
+consecutive tokens (outlier channels get their own range), stored token-major
+``[B, H, groups, group / k, D]`` (``k`` codes per byte, packed along the tokens of a group);
+values **per token** in groups of ``group`` channels, ``[B, H, T, D / group, group / k]``.
+Both dequantize with broadcasts over contiguous inner axes, and a range of whole groups is a
+contiguous slice. Positions and validity follow the tokens (one row for all heads while the
+heads hold the same tokens), so attention masks stay exact after eviction.
 
 Attention never rebuilds the full-precision cache: :meth:`QuantizedKV.attend` dequantizes
-``block_tokens`` tokens at a time and combines the blocks through their log-sum-exp, the same
+``BLOCK_TOKENS`` tokens at a time and combines the blocks through their log-sum-exp, the same
 exact merge the layer uses to join this part with its full-precision residual.
 """
 
@@ -25,12 +27,19 @@ BLOCK_TOKENS = 1024
 KEY_MODES = ("channel", "token")
 
 
+def _channel_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B, H, T, D / group, group]`` (per-token groups of channels)."""
+    size = min(group, x.shape[-1])
+    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+
+
 @dataclass
 class QuantizedKV:
-    keys: quant.QuantizedGroups  # channel mode: codes [B, H, D, T*bits/8]; token mode: [B, H, T, D*bits/8]
-    values: quant.QuantizedGroups  # [B, H, T, D*bits/8], groups along channels
+    keys: quant.QuantizedGroups
+    values: quant.QuantizedGroups
     positions: torch.Tensor  # [B, 1 or H, T] int32
     valid: torch.Tensor  # [B, 1 or H, T] bool
+    group: int
     key_mode: str
     dtype: torch.dtype
 
@@ -40,16 +49,19 @@ class QuantizedKV:
         bits: int, group: int, key_mode: str = "channel",
     ) -> QuantizedKV:  # fmt: skip
         """Quantize ``keys/values [B, H, T, D]`` (T a multiple of ``group`` in channel mode)."""
-        dim = values.shape[-1]
-        padding = ~valid[..., None]  # [B, H, T, 1]: padding stays out of the key ranges
+        batch, heads, tokens, dim = keys.shape
         if key_mode == "channel":
-            key_codes = quant.quantize(keys.transpose(-1, -2), bits, group, ignore=padding.transpose(-1, -2))
+            by_tokens = keys.reshape(batch, heads, tokens // group, group, dim)
+            padding = ~valid.reshape(batch, heads, tokens // group, group, 1)  # padding stays out of the ranges
+            key_codes = quant.quantize(by_tokens, bits, dim=-2, ignore=padding)
         else:
-            key_codes = quant.quantize(keys, bits, min(group, keys.shape[-1]))
-        value_codes = quant.quantize(values, bits, min(group, dim))
+            key_codes = quant.quantize(_channel_groups(keys, group), bits)
+        value_codes = quant.quantize(_channel_groups(values, group), bits)
         aligned = bool((positions == positions[:, :1]).all()) and bool((valid == valid[:, :1]).all())
         rows = slice(0, 1) if aligned else slice(None)
-        return cls(key_codes, value_codes, positions[:, rows].clone(), valid[:, rows].clone(), key_mode, keys.dtype)
+        return cls(
+            key_codes, value_codes, positions[:, rows].clone(), valid[:, rows].clone(), group, key_mode, keys.dtype
+        )
 
     def __len__(self) -> int:
         return self.positions.shape[-1]
@@ -58,10 +70,6 @@ class QuantizedKV:
     def bits(self) -> int:
         return self.keys.bits
 
-    @property
-    def group(self) -> int:
-        return self.keys.group
-
     def same_format(self, other: QuantizedKV) -> bool:
         return (other.bits, other.group, other.key_mode) == (self.bits, self.group, self.key_mode)
 
@@ -69,9 +77,8 @@ class QuantizedKV:
         """Append newer tokens (quantized with the same settings)."""
         if not self.same_format(other):
             raise ValueError("quantized blocks of one part must share bits, group and key mode")
-        key_axis = -1 if self.key_mode == "channel" else 2
-        self.keys = _cat(self.keys, other.keys, key_axis)
-        self.values = _cat(self.values, other.values, 2)
+        self.keys = quant.QuantizedGroups.cat([self.keys, other.keys], 2)
+        self.values = quant.QuantizedGroups.cat([self.values, other.values], 2)
         heads = max(self.positions.shape[1], other.positions.shape[1])
         self.positions = torch.cat([self.positions.expand(-1, heads, -1), other.positions.expand(-1, heads, -1)], -1)
         self.valid = torch.cat([self.valid.expand(-1, heads, -1), other.valid.expand(-1, heads, -1)], -1)
@@ -86,20 +93,15 @@ class QuantizedKV:
         return self.valid[:, 0].sum(dim=-1)
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop`` (``start`` on a group boundary)."""
+        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop`` (on group boundaries in channel mode)."""
         stop = len(self) if stop is None else stop
         if self.key_mode == "channel":
-            per_byte, group = 8 // self.bits, self.group
-            keys = quant.QuantizedGroups(
-                self.keys.codes[..., start // per_byte : -(-stop // per_byte)],
-                self.keys.scale[..., start // group : -(-stop // group)],
-                self.keys.zero[..., start // group : -(-stop // group)],
-                self.bits, group,
-            )  # fmt: skip
-            key_tensor = quant.dequantize(keys, self.dtype).transpose(-1, -2)
+            keys = quant.dequantize(self.keys.select(2, start // self.group, -(-stop // self.group)), self.dtype)
         else:
-            key_tensor = quant.dequantize(_token_slice(self.keys, start, stop), self.dtype)
-        return key_tensor, quant.dequantize(_token_slice(self.values, start, stop), self.dtype)
+            keys = quant.dequantize(self.keys.select(2, start, stop), self.dtype)
+        values = quant.dequantize(self.values.select(2, start, stop), self.dtype)
+        batch, heads = values.shape[:2]
+        return keys.reshape(batch, heads, stop - start, -1), values.reshape(batch, heads, stop - start, -1)
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
@@ -115,16 +117,3 @@ class QuantizedKV:
             mask = visibility(self.positions[..., start:stop], valid, query_positions)
             parts.append(grouped_eager_attention(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)
-
-
-def _token_slice(q: quant.QuantizedGroups, start: int, stop: int) -> quant.QuantizedGroups:
-    return quant.QuantizedGroups(
-        q.codes[:, :, start:stop], q.scale[:, :, start:stop], q.zero[:, :, start:stop], q.bits, q.group
-    )
-
-
-def _cat(a: quant.QuantizedGroups, b: quant.QuantizedGroups, axis: int) -> quant.QuantizedGroups:
-    return quant.QuantizedGroups(
-        torch.cat([a.codes, b.codes], axis), torch.cat([a.scale, b.scale], axis), torch.cat([a.zero, b.zero], axis),
-        a.bits, a.group,
-    )  # fmt: skip

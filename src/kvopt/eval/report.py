@@ -271,9 +271,12 @@ def _ppl_section(ppl_rows: list[Row], methods: dict[str, MethodInfo]) -> list[st
         for info in _ordered({s: methods[s] for s in by_spec}):
             rows, value = by_spec[info.spec], pooled[info.spec]
             first = _pooled_ppl(rows, "ppl_first", "first_tokens")
-            gap = "–"
+            gap = first_gap = "–"
             if value and base and pooled.get(base):
                 gap = "baseline" if info.spec == base else f"{(value[0] / pooled[base][0] - 1) * 100:+.1f}%"
+                base_first = _pooled_ppl(by_spec[base], "ppl_first", "first_tokens")
+                if first and base_first and info.spec != base:
+                    first_gap = f"{(first[0] / base_first[0] - 1) * 100:+.1f}%"
             peak = _median(r.get("kv_bytes_peak") for r in rows)
             body.append([
                 f"`{info.spec}`",
@@ -282,6 +285,7 @@ def _ppl_section(ppl_rows: list[Row], methods: dict[str, MethodInfo]) -> list[st
                 f"{value[0]:.3f}" if value else "–",
                 f"{first[0]:.3f} (first {first[1]})" if first else "–",
                 gap,
+                first_gap,
                 human_bytes(peak) if peak is not None else "–",
             ])
     return [
@@ -290,7 +294,10 @@ def _ppl_section(ppl_rows: list[Row], methods: dict[str, MethodInfo]) -> list[st
         "Pooled over samples as exp(mean NLL per token). Gap is (ppl / baseline ppl − 1) × 100 at the "
         "same length, baseline `hf` if present else `full`.",
         "",
-        *_table(["method", "length", "tokens", "ppl", "ppl (first N tokens)", "gap vs baseline", "peak KV"], body),
+        *_table(
+            ["method", "length", "tokens", "ppl", "ppl (first N tokens)", "gap vs baseline", "gap, first N", "peak KV"],
+            body,
+        ),
         "",
     ]
 

@@ -2,15 +2,16 @@
 
 KIVI (Liu et al., arXiv 2402.02750, ICML'24): keys have fixed outlier *channels*, so they are
 quantized per channel (groups of ``group`` tokens); values feed a per-token weighted sum, so
-they are quantized per token (groups of ``group`` channels). The newest ``residual`` tokens
-stay in full precision; older ones are quantized in whole key groups as they leave it. Codes
-are bit-packed (two 4-bit or four 2-bit codes per byte), scales and zero-points are fp16, and
-attention dequantizes block by block (see :mod:`kvopt.cache.quantized`).
+they are quantized per token (groups of ``group`` channels). New tokens stay in full
+precision until ``residual`` of them are held; then every whole group is quantized at once
+(KIVI's key schedule: the full-precision part oscillates between 0 and ``residual`` tokens,
+the same as HF's ``QuantizedCache``). Codes are bit-packed (two 4-bit or four 2-bit codes per
+byte), scales and zero-points are fp16, and attention dequantizes block by block (see
+:mod:`kvopt.cache.quantized`).
 
-Deviations: keys and values leave the residual together, a key group at a time, so the
-full-precision part holds ``residual`` to ``residual + group - 1`` tokens (KIVI's keys
-oscillate between 0 and R tokens, its values keep exactly R). The residual stays in the
-model's dtype. Sliding-window layers are left in full precision (their window bounds them).
+Deviations: values follow the keys' schedule (KIVI keeps exactly the last R values in full
+precision and quantizes one token per step). The full-precision part stays in the model's
+dtype. Sliding-window layers are left in full precision (their window bounds them).
 Compose after prefill-time eviction: ``snapkv:ratio=0.75+kivi:bits=4``.
 """
 

@@ -5,9 +5,9 @@ attention it receives summed over probe queries divided by how many of them coul
 (plain column sums favour early tokens, which more queries can see under the causal mask).
 The most salient ``salient`` fraction of each KV head's tokens is stored in ``high`` bits, the
 rest in ``low`` bits, with KIVI's layout (keys per channel, values per token, bit-packed; see
-:mod:`kvopt.methods.kivi`). Saliency keeps accumulating while tokens wait in the
-full-precision residual, and is decided when they leave it, ``every`` tokens at a time during
-decoding: the periodic re-evaluation of ZipCache's streaming mode.
+:mod:`kvopt.methods.kivi`). Saliency keeps accumulating while tokens wait in full
+precision, and is decided when they are quantized (whenever ``residual`` tokens are held, as
+:mod:`kvopt.methods.kivi`): the periodic re-evaluation of ZipCache's streaming mode.
 
 Deviations: probes are the last ``probe`` fraction of the prompt's queries plus every decode
 query (ZipCache adds 5% random earlier queries); attention is normalized over the
@@ -44,7 +44,6 @@ class MixedKV(Quantization):
     low: int = field(default=2, metadata={"help": "bits of the other tokens"})
     salient: float = field(default=0.6, metadata={"help": "fraction of quantized tokens stored in high bits"})
     probe: float = field(default=0.1, metadata={"help": "fraction of the prompt's last queries used as probes"})
-    every: int = field(default=160, metadata={"help": "decode: tokens leaving the residual at once (multiple of group)"})
 
     def validate(self) -> None:
         super().validate()
@@ -57,8 +56,6 @@ class MixedKV(Quantization):
         if not 0.0 <= self.salient <= 1.0:
             raise MethodParameterError(f"mixedkv: salient={self.salient} must lie in [0, 1]")
         require_ratio(self, "probe")
-        if self.every < self.group or self.every % self.group:
-            raise MethodParameterError(f"mixedkv: every={self.every} must be a multiple of group={self.group}")
 
     def salient_tokens(self, tokens: int) -> int:
         """High-precision tokens among ``tokens`` quantized at once, in whole groups."""
@@ -74,10 +71,8 @@ class MixedKV(Quantization):
         probes = max(1, math.ceil(self.probe * step.query.shape[-2])) if step.is_prefill else None
         accumulate_attention(layer, step, SCORE, last=probes)
         self._count_queries(layer, step.query_positions[-probes:] if probes else step.query_positions)
-        excess = len(layer.store) - self.residual
-        if excess < (self.group if step.is_prefill else self.every):
-            return
-        self._quantize(layer, excess // self.group * self.group)
+        if len(layer.store) >= max(self.residual, self.group):
+            self._quantize(layer, len(layer.store) // self.group * self.group)
 
     @staticmethod
     def _count_queries(layer, query_positions: torch.Tensor) -> None:

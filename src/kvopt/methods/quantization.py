@@ -1,8 +1,8 @@
 """The shared part of quantization methods: group, residual window, validation and sizes.
 
-A quantization method keeps the newest ``residual`` tokens of each layer in full precision
-and moves older ones, whole groups of ``group`` tokens at a time, into packed storage
-(:mod:`kvopt.cache.quantized`). Subclasses decide the bits of each token (KIVI: one width;
+A quantization method keeps the newest tokens of each layer in full precision until
+``residual`` of them are held, then moves all whole groups of ``group`` tokens into packed
+storage (:mod:`kvopt.cache.quantized`), KIVI's schedule for keys. Subclasses decide the bits of each token (KIVI: one width;
 mixed precision: by importance) and describe them in :meth:`Quantization.bit_classes`, from
 which the theoretical size follows.
 """
@@ -22,7 +22,7 @@ BOOKKEEPING_BYTES = 5
 @dataclass
 class Quantization(Method):
     group: int = field(default=32, metadata={"help": "tokens per key group (channels per value group)"})
-    residual: int = field(default=128, metadata={"help": "newest tokens kept in full precision"})
+    residual: int = field(default=128, metadata={"help": "full-precision tokens held before whole groups are quantized"})
 
     budget_convention = "keeps every token; stores older ones in fewer bits"
     #: How keys are grouped: per channel over tokens (KIVI) or per token over channels.
@@ -51,11 +51,12 @@ class Quantization(Method):
         raise NotImplementedError
 
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int) -> int:
-        """Residual at full precision (with its positions and validity bytes per head); quantized
+        """Size right after a prefill of ``kept_tokens``: the remainder at full precision (with its
+        positions and validity bytes per head); quantized
         tokens: packed codes, fp16 scale and zero per key group (per channel over ``group`` tokens,
         or per token) and per value group (per token, ``group`` channels), and bookkeeping."""
         heads, dim = model.num_kv_heads, model.head_dim
-        quantized = max(kept_tokens - self.residual, 0) // self.group * self.group
+        quantized = kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
         residual = kept_tokens - quantized
         per_token_groups = dim // min(self.group, dim) * 4  # fp16 scale + zero per channel group
         key_params = dim * 4 / self.group if self.key_mode == "channel" else per_token_groups
