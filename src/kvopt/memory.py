@@ -48,7 +48,7 @@ def estimate(
     """Theoretical KV bytes for ``batch`` sequences of ``seq_len`` tokens under ``methods``."""
     per_layer_token_bytes = bytes_per_token(info, dtype) // info.num_layers
     tokens, total = [], 0
-    for window in info.sliding_windows:
+    for index, window in enumerate(info.sliding_windows):
         kept = seq_len if window is None else min(seq_len, window)
         for method in methods or []:
             kept = min(kept, method.kept_tokens(seq_len))
@@ -56,7 +56,7 @@ def estimate(
         layer = kept * per_layer_token_bytes
         if window is None:  # sliding layers stay in full precision
             for method in methods or []:
-                stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype))
+                stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype), index)
                 layer = stored if stored is not None else layer
         total += layer * batch
     return MemoryEstimate(seq_len, batch, bytes_per_token(info, dtype), tuple(tokens), total)

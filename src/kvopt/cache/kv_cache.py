@@ -154,4 +154,6 @@ def build_cache(spec: str | list[Method], model) -> KVCache:
     for method in methods:
         method.check_model(info)
     prepare(model)
+    for method in methods:
+        method.prepare(model)
     return KVCache(methods, info, model.config)

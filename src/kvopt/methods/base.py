@@ -62,10 +62,13 @@ class Method:
         """Tokens one sequence keeps per layer after ``seen_tokens`` tokens (theoretical size)."""
         return seen_tokens
 
-    def layer_bytes(self, kept_tokens: int, model: ModelInfo, element_bytes: int) -> int | None:
-        """Bytes one sequence's ``kept_tokens`` take in one (full-attention) layer when this method
-        changes how tokens are stored (quantization); None leaves the full-precision size."""
+    def layer_bytes(self, kept_tokens: int, model: ModelInfo, element_bytes: int, layer: int) -> int | None:
+        """Bytes one sequence's ``kept_tokens`` take in (full-attention) layer ``layer`` when this
+        method changes how tokens are stored (quantization); None leaves the full-precision size."""
         return None
+
+    def prepare(self, model) -> None:
+        """One-time set-up with the model in hand, when a cache is built (e.g. a calibration)."""
 
     def spec(self) -> str:
         """The spec string that rebuilds this method (parameters left at their default are omitted)."""

@@ -37,7 +37,7 @@ class KIVI(Quantization):
         super().validate()
         self.check_bits("bits", self.bits)
 
-    def bit_classes(self, quantized_tokens: int) -> list[tuple[int, int]]:
+    def bit_classes(self, quantized_tokens: int, layer: int) -> list[tuple[int, int]]:
         return [(self.bits, quantized_tokens)]
 
     def after_attention(self, layer, step) -> None:

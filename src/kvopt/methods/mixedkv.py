@@ -61,7 +61,7 @@ class MixedKV(Quantization):
         """High-precision tokens among ``tokens`` quantized at once, in whole groups."""
         return round(self.salient * tokens / self.group) * self.group
 
-    def bit_classes(self, quantized_tokens: int) -> list[tuple[int, int]]:
+    def bit_classes(self, quantized_tokens: int, layer: int) -> list[tuple[int, int]]:
         high = self.salient_tokens(quantized_tokens)
         return [(self.high, high), (self.low, quantized_tokens - high)]
 

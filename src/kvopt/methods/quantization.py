@@ -46,11 +46,11 @@ class Quantization(Method):
                 f"{self.name}: group={self.group} does not divide head_dim={model.head_dim}; use a divisor such as 32"
             )
 
-    def bit_classes(self, quantized_tokens: int) -> list[tuple[int, int]]:
-        """``(bits, tokens)`` of the quantized tokens of one layer and sequence."""
+    def bit_classes(self, quantized_tokens: int, layer: int) -> list[tuple[int, int]]:
+        """``(bits, tokens)`` of the quantized tokens of one sequence in layer ``layer``."""
         raise NotImplementedError
 
-    def layer_bytes(self, kept_tokens: int, model, element_bytes: int) -> int:
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer: int) -> int:
         """Size right after a prefill of ``kept_tokens``: the remainder at full precision (with its
         positions and validity bytes per head); quantized
         tokens: packed codes, fp16 scale and zero per key group (per channel over ``group`` tokens,
@@ -62,5 +62,5 @@ class Quantization(Method):
         key_params = dim * 4 / self.group if self.key_mode == "channel" else per_token_groups
         params = heads * (key_params + per_token_groups)
         bookkeeping = BOOKKEEPING_BYTES * (1 if self.heads_aligned else heads)
-        codes = sum(tokens * 2 * heads * dim * bits // 8 for bits, tokens in self.bit_classes(quantized))
+        codes = sum(tokens * 2 * heads * dim * bits // 8 for bits, tokens in self.bit_classes(quantized, layer))
         return int(residual * heads * (2 * dim * element_bytes + BOOKKEEPING_BYTES) + codes + quantized * (params + bookkeeping))

@@ -1,0 +1,71 @@
+"""minikv: the calibration finds the layer whose quantization hurts, per-layer bits, sizes."""
+
+import pytest
+import torch
+
+import kvopt
+from kvopt.errors import MethodParameterError
+from kvopt.memory import estimate
+from kvopt.methods import parse
+from kvopt.methods.minikv import MiniKV, assign_bits, sensitivities
+from kvopt.models.info import ModelInfo
+
+from tiny_models import VOCAB, tiny_model
+
+
+def sensitive_layer_model(layer: int):
+    """A tiny llama whose ``layer`` has one huge key channel: 2-bit per-channel groups then lose the rest."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        attention = model.model.layers[layer].self_attn
+        attention.v_proj.weight.mul_(30.0)  # its values dominate the residual stream
+    return model
+
+
+def test_calibration_ranks_the_layer_whose_quantization_hurts_most():
+    model = sensitive_layer_model(1)
+    method = MiniKV(low=2, high=8, sensitive=0.34, group=16, calibration=256)
+    ids = torch.randint(3, VOCAB, (1, 256), generator=torch.Generator().manual_seed(3))
+    scores = sensitivities(method, model, ids)
+    assert max(range(len(scores)), key=scores.__getitem__) == 1
+    assert assign_bits(method, scores) == [2, 8, 2]
+
+
+def test_minikv_stores_each_layer_in_its_bits_and_matches_its_theoretical_size():
+    model = tiny_model("llama")
+    method = MiniKV(low=2, high=4, sensitive=0.34, group=16, residual=32)
+    method.layer_bits = [2, 4, 2]
+    cache = kvopt.cache([method], model)
+    ids = torch.randint(3, VOCAB, (1, 500))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert [layer.quantized[0].bits for layer in cache.layers] == [2, 4, 2]
+    theoretical = estimate(ModelInfo.from_config(model.config), 500, methods=[method], dtype=torch.float32).total_bytes
+    # Within 3% on this tiny model (2 slack tokens of growth room per layer; 2% at head_dim 64: test_kivi.py).
+    assert abs(cache.nbytes() / theoretical - 1) <= 0.03
+    assert cache.layers[0].nbytes() < cache.layers[1].nbytes()
+
+
+def test_minikv_without_a_tokenizer_says_how_to_calibrate():
+    model = tiny_model("llama")
+    with pytest.raises(MethodParameterError, match="tokenizer"):
+        kvopt.cache("minikv", model)
+
+
+def test_minikv_composes_after_prefill_eviction():
+    model = tiny_model("llama")
+    evict, quantize = parse("snapkv:ratio=0.5+minikv:group=16,residual=16")
+    quantize.layer_bits = [2, 4, 2]
+    cache = kvopt.cache([evict, quantize], model)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 160)), past_key_values=cache)
+    assert all(int(layer.kept_per_row()[0]) == 80 and layer.quantized for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [("minikv:high=2,low=4", "must exceed low"), ("minikv:sensitive=2", r"\[0, 1\]"), ("minikv:calibration=64", "at least")],
+)
+def test_bad_minikv_parameters_say_what_to_do(spec, fragment):
+    with pytest.raises(MethodParameterError, match=fragment):
+        parse(spec)
