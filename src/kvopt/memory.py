@@ -46,6 +46,8 @@ def estimate(
     dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """Theoretical KV bytes for ``batch`` sequences of ``seq_len`` tokens under ``methods``."""
+    for method in methods or []:
+        method.check_model(info)  # also lets methods learn the model's layout (layer pairs, layer counts)
     per_layer_token_bytes = bytes_per_token(info, dtype) // info.num_layers
     tokens, total = [], 0
     for index, window in enumerate(info.sliding_windows):

@@ -35,6 +35,8 @@ class KVCache(Cache):
         self.info = info
         self._config = config
         layers = [KVLayer(methods, window) for window in info.sliding_windows]
+        for index, layer in enumerate(layers):
+            layer.index, layer.siblings = index, layers
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvopt.cache import attention, ragged
+from kvopt.cache.merged import MergedPair
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.storage import DenseKVStore
 from kvopt.errors import CacheUsageError
@@ -48,6 +49,12 @@ class KVLayer(CacheLayerMixin):
         #: Tokens that left the full-precision residual window, quantized; one part per setting
         #: (KIVI: one; mixed precision: one per bit width).
         self.quantized: list[QuantizedKV] = []
+        #: Tokens merged with an adjacent layer (MiniCache), shared with it; ``pair_role`` 0 or 1.
+        self.merged: MergedPair | None = None
+        self.pair_role: int | None = None
+        #: This layer's index and all layers of its cache (cross-layer methods read a neighbour).
+        self.index = 0
+        self.siblings: list[KVLayer] = [self]
         self.seen = 0
         #: Real (non-padding) tokens seen, summed over the batch.
         self.seen_real = 0
@@ -94,6 +101,8 @@ class KVLayer(CacheLayerMixin):
         self.store = DenseKVStore()
         self.prefix = None
         self.quantized = []
+        self.merged = None
+        self.pair_role = None
         self.seen = self.seen_real = 0
         self.state = {}
         self._parked = None
@@ -126,6 +135,8 @@ class KVLayer(CacheLayerMixin):
             raise CacheUsageError(f"{action} is not supported after head-wise (ragged) compression such as adakv")
         if self.quantized:
             raise CacheUsageError(f"{action} is not supported once tokens are quantized (kivi)")
+        if self.merged is not None:
+            raise CacheUsageError(f"{action} is not supported once layers are merged (minicache)")
 
     # -- the read path ------------------------------------------------------------------------
     def attend(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
@@ -150,7 +161,7 @@ class KVLayer(CacheLayerMixin):
             keys = method.read_keys(self, keys, positions)
         key_positions = store.positions[:, heads]
         key_valid = None if store.all_valid else store.valid[:, heads]
-        if self.prefix is None and not self.quantized:
+        if self.prefix is None and not self.quantized and self.merged is None:
             output = attention.attend(
                 query, keys, store.values, key_positions, key_valid, positions, scaling, sliding_window, softcap
             )
@@ -184,8 +195,8 @@ class KVLayer(CacheLayerMixin):
 
         One explicit softmax serves both the scores and the output (no second attention pass).
         """
-        if self.prefix is not None or self.quantized:
-            raise CacheUsageError("scoring passes (kvzip) need dense storage; put kvzip before adakv or kivi")
+        if self.prefix is not None or self.quantized or self.merged is not None:
+            raise CacheUsageError("scoring passes (kvzip) need dense storage; put kvzip before adakv, kivi or minicache")
         from kvopt.methods.scores import attention_probs, grouped_attention_output
 
         store = self.store
@@ -209,6 +220,8 @@ class KVLayer(CacheLayerMixin):
         if self.prefix is not None:
             parts.append(self.prefix.attend(query, positions, scale))
         parts.extend(part.attend(query, positions, scale, softcap) for part in self.quantized)
+        if self.merged is not None:
+            parts.append(self.merged.attend(self.pair_role, query, positions, scale, softcap))
         mask = attention.visibility(key_positions, key_valid, positions)
         parts.append(attention.grouped_eager_attention(query, keys, self.store.values, mask, scale, softcap))
         return attention.merge_with_lse(parts)[0].to(query.dtype).transpose(1, 2).contiguous()
@@ -218,8 +231,8 @@ class KVLayer(CacheLayerMixin):
         (the oldest), leaving fewer than ``group`` in full precision (KIVI's key schedule, so the
         full-precision part stays below ``residual`` tokens). Sliding layers stay in full precision:
         their window already bounds them."""
-        if self.sliding_window is not None or len(self.store) < max(residual, group):
-            return
+        if self.sliding_window is not None or self.pair_role is not None or len(self.store) < max(residual, group):
+            return  # (a merged layer's tokens are quantized by the merge, as its shared direction)
         count = len(self.store) // group * group
         store = self.store
         block = QuantizedKV.encode(
@@ -250,6 +263,8 @@ class KVLayer(CacheLayerMixin):
         kept = self.store.valid_counts()
         for part in self.quantized:
             kept = kept + part.valid_counts()
+        if self.merged is not None:
+            kept = kept + self.merged.valid[:, 0].sum(dim=-1)
         if self.prefix is not None:
             prefix = self.prefix.counts()[:, 0]
             kept = prefix if kept.numel() == 0 else kept + prefix
@@ -267,4 +282,8 @@ class KVLayer(CacheLayerMixin):
     # -- accounting ---------------------------------------------------------------------------
     def nbytes(self) -> int:
         parts = (self.store, self.prefix, *self.quantized)
-        return sum(part.nbytes() for part in parts if part is not None)
+        total = sum(part.nbytes() for part in parts if part is not None)
+        if self.merged is not None:  # shared by two layers: each counts half (the first the odd byte)
+            shared = self.merged.nbytes()
+            total += shared // 2 + (shared % 2 if self.pair_role == 0 else 0)
+        return total

@@ -1,0 +1,110 @@
+"""Cross-layer merged storage: two adjacent layers' tokens as one direction plus magnitudes (MiniCache).
+
+For every token and KV head the pair stores one unit *direction* per K and V (shared by both
+layers), each layer's *magnitudes*, and, for the tokens whose two layers disagree most, both
+layers' original vectors ("retained", scattered back on reading). A layer reads its tokens as
+``magnitude * direction`` -- one layer at a time, never the whole cache. The direction may be
+quantized (``minicache+kivi``): it is then a :class:`~kvopt.cache.quantized.QuantizedKV`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvopt.cache.attention import grouped_eager_attention, visibility
+from kvopt.cache.quantized import QuantizedKV
+
+
+@dataclass
+class PlainKV:
+    """Unquantized keys/values ``[B, H, T, D]`` with the interface of :class:`QuantizedKV` used here."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.positions.shape[-1]
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def extend(self, other: PlainKV) -> None:
+        self.keys = torch.cat([self.keys, other.keys], 2)
+        self.values = torch.cat([self.values, other.values], 2)
+        self.positions = torch.cat([self.positions, other.positions], -1)
+        self.valid = torch.cat([self.valid, other.valid], -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.valid))
+
+
+def slerp_merge(first: torch.Tensor, second: torch.Tensor, t: float) -> tuple[torch.Tensor, ...]:
+    """SLERP of the unit vectors of ``first``/``second [..., D]``: ``(direction, |first|, |second|, angle / pi)``.
+
+    Falls back to linear interpolation where the two are (anti)parallel; the direction is renormalized.
+    """
+    a, b = first.float(), second.float()
+    norm_a, norm_b = a.norm(dim=-1), b.norm(dim=-1)
+    unit_a = a / norm_a.clamp(min=1e-12)[..., None]
+    unit_b = b / norm_b.clamp(min=1e-12)[..., None]
+    cosine = (unit_a * unit_b).sum(dim=-1).clamp(-1.0, 1.0)
+    angle = torch.acos(cosine)
+    sine = torch.sin(angle)
+    safe = sine > 1e-6
+    weight_a = torch.where(safe, torch.sin((1 - t) * angle) / sine.clamp(min=1e-6), torch.full_like(sine, 1 - t))
+    weight_b = torch.where(safe, torch.sin(t * angle) / sine.clamp(min=1e-6), torch.full_like(sine, t))
+    direction = weight_a[..., None] * unit_a + weight_b[..., None] * unit_b
+    direction = direction / direction.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+    return direction, norm_a, norm_b, angle / math.pi
+
+
+@dataclass
+class MergedPair:
+    direction: PlainKV | QuantizedKV  # shared unit directions (keys, values)
+    magnitudes: torch.Tensor  # [2 layers, 2 (K, V), B, H, T]
+    retained_index: torch.Tensor  # [B, H, r] int32 slots
+    retained: torch.Tensor  # [2 layers, 2 (K, V), B, H, r, D]
+    dtype: torch.dtype
+
+    def __len__(self) -> int:
+        return len(self.direction)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.direction.positions
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.direction.valid
+
+    def extend(self, other: MergedPair) -> None:
+        offset = len(self)
+        self.direction.extend(other.direction)
+        self.magnitudes = torch.cat([self.magnitudes, other.magnitudes], -1)
+        self.retained_index = torch.cat([self.retained_index, other.retained_index + offset], -1)
+        self.retained = torch.cat([self.retained, other.retained], -2)
+
+    def nbytes(self) -> int:
+        tensors = (self.magnitudes, self.retained_index, self.retained)
+        return self.direction.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
+
+    def layer_kv(self, role: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, T, D]`` of the pair's first (0) or second (1) layer."""
+        keys, values = self.direction.dequantize()
+        keys = keys.float() * self.magnitudes[role, 0].float()[..., None]
+        values = values.float() * self.magnitudes[role, 1].float()[..., None]
+        index = self.retained_index.long()[..., None].expand(-1, -1, -1, keys.shape[-1])
+        keys.scatter_(2, index, self.retained[role, 0].float())
+        values.scatter_(2, index, self.retained[role, 1].float())
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def attend(self, role: int, query, query_positions, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.layer_kv(role)
+        valid = None if bool(self.valid.all()) else self.valid
+        mask = visibility(self.positions, valid, query_positions)
+        return grouped_eager_attention(query, keys, values, mask, scaling, softcap)

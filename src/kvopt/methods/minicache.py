@@ -1,0 +1,149 @@
+"""``minicache``: merge the KV of adjacent layer pairs from mid-depth (MiniCache).
+
+MiniCache (Liu et al., arXiv 2405.14366): in the deeper half of a network, adjacent layers'
+KV states point in similar directions. For each pair of layers from ``start`` (a fraction of
+the depth) on, every token's key and value are split into magnitude and direction; the two
+directions are merged by SLERP (``t``) into one shared unit vector, and each layer keeps only
+its magnitudes, so the pair stores about one layer's worth of vectors. The ``retain`` fraction
+of tokens whose two layers disagree most (largest angle between the keys, shared by the
+values, as KVCache-Factory) keep both originals, scattered back on reading. Post-RoPE states
+are merged, so positions are untouched.
+
+Merging happens after the prefill and then whenever ``residual`` new tokens are held by both
+layers. Composes with KIVI: ``minicache+kivi:bits=4`` stores the shared directions
+KIVI-quantized (whole groups) and quantizes the unmerged layers as usual.
+
+Deviations: the retention rule is KVCache-Factory's top fraction by angle (the paper's rule is
+a threshold between the smallest and largest angle); layers keep up to ``residual`` recent
+tokens unmerged (the paper merges every decoded token). Pairs need both layers to hold the
+same tokens: after layer-dependent eviction (pyramidkv), mismatching pairs stay unmerged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvopt.cache.merged import MergedPair, PlainKV, slerp_merge
+from kvopt.cache.quantized import QuantizedKV
+from kvopt.errors import MethodParameterError
+from kvopt.methods.base import Method, register, require_ratio
+from kvopt.methods.quantization import BOOKKEEPING_BYTES
+
+
+@register
+@dataclass
+class MiniCache(Method):
+    """Adjacent layers from mid-depth share one direction per token; each keeps its magnitudes."""
+
+    name = "minicache"
+    summary = "cross-layer merging: adjacent layers from mid-depth share SLERP-merged directions (MiniCache)"
+    budget_convention = "keeps every token; merged layer pairs store about one layer's vectors"
+
+    start: float = field(default=0.5, metadata={"help": "fraction of the depth where merging starts"})
+    t: float = field(default=0.6, metadata={"help": "SLERP interpolation towards the deeper layer"})
+    retain: float = field(default=0.05, metadata={"help": "fraction of tokens kept unmerged (largest angle)"})
+    residual: int = field(default=32, metadata={"help": "new tokens held per layer before they are merged"})
+
+    def __post_init__(self) -> None:
+        #: Role in its pair (0 = shallower, 1 = deeper) of each merged layer, from the model.
+        self.roles: dict[int, int] = {}
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if not 0.0 <= self.start < 1.0:
+            raise MethodParameterError(f"minicache: start={self.start} must lie in [0, 1)")
+        if not 0.0 < self.t < 1.0:
+            raise MethodParameterError(f"minicache: t={self.t} must lie in (0, 1)")
+        if self.retain:
+            require_ratio(self, "retain")
+        if self.residual < 1:
+            raise MethodParameterError(f"minicache: residual={self.residual} must be >= 1")
+
+    def check_model(self, model) -> None:
+        self.roles = pair_roles(model.sliding_windows, self.start)
+        if not self.roles:
+            raise MethodParameterError(
+                f"minicache: no adjacent full-attention layer pair from depth {self.start} on "
+                f"({model.num_layers} layers); lower start"
+            )
+
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer: int) -> int | None:
+        """Half of the pair's storage (directions, both magnitudes, retained originals, indices, positions)."""
+        if layer not in self.roles or kept_tokens < 1:
+            return None
+        heads, dim = model.num_kv_heads, model.head_dim
+        retained = math.ceil(self.retain * kept_tokens)
+        pair = heads * (
+            kept_tokens * (2 * dim + 4) * element_bytes + retained * (4 * dim * element_bytes + 4)
+        ) + kept_tokens * BOOKKEEPING_BYTES  # fmt: skip
+        return pair // 2 + (pair % 2 if self.roles[layer] == 0 else 0)
+
+    def after_attention(self, layer, step) -> None:
+        role = self.roles.get(layer.index)
+        if role is None:
+            return
+        layer.pair_role = role
+        if role == 0:
+            return  # the deeper layer of the pair merges both
+        first, store = layer.siblings[layer.index - 1], layer.store
+        quantizer = next((m for m in layer.methods if m.name == "kivi"), None)
+        unit = quantizer.group if quantizer is not None else 1
+        count = len(store) // unit * unit
+        if len(store) < self.residual and not step.is_prefill or count == 0:
+            return
+        other = first.store
+        if len(other) != len(store) or not torch.equal(other.positions[..., :count], store.positions[..., :count]):
+            return  # the two layers hold different tokens (layer-wise eviction): leave them unmerged
+        pair = self._merge(other, store, count, quantizer, layer.dtype)
+        if layer.merged is None:
+            first.merged = layer.merged = pair
+        else:
+            layer.merged.extend(pair)
+        other.drop_oldest(count)
+        store.drop_oldest(count)
+
+    def _merge(self, first, second, count: int, quantizer, dtype) -> MergedPair:
+        """Merge the oldest ``count`` tokens of two dense stores holding the same tokens."""
+        directions, magnitudes, angles = [], [], None
+        for name in ("keys", "values"):
+            a, b = getattr(first, name)[:, :, :count], getattr(second, name)[:, :, :count]
+            direction, norm_a, norm_b, angle = slerp_merge(a, b, self.t)
+            directions.append(direction.to(dtype))
+            magnitudes.append(torch.stack([norm_a, norm_b]))
+            angles = angle if angles is None else angles  # retention is decided by the keys
+        retained = math.ceil(self.retain * count)
+        index = angles.masked_fill(~second.valid[:, :, :count], -1.0).topk(retained, dim=-1).indices.sort(-1).values
+        gather = index[..., None].expand(-1, -1, -1, first.keys.shape[-1])
+        originals = torch.stack([
+            torch.stack([store.keys[:, :, :count].gather(2, gather), store.values[:, :, :count].gather(2, gather)])
+            for store in (first, second)
+        ])  # fmt: skip
+        positions, valid = second.positions[:, :1, :count].clone(), second.valid[:, :1, :count].clone()
+        if not second.heads_aligned:
+            positions, valid = second.positions[:, :, :count].clone(), second.valid[:, :, :count].clone()
+        if quantizer is not None:
+            direction = QuantizedKV.encode(
+                directions[0], directions[1], second.positions[:, :, :count], second.valid[:, :, :count],
+                quantizer.bits, quantizer.group, quantizer.key_mode,
+            )  # fmt: skip
+        else:
+            direction = PlainKV(directions[0], directions[1], positions, valid)
+        stacked = torch.stack(magnitudes, dim=1).to(dtype)  # [2 layers, 2 (K, V), B, H, T]
+        return MergedPair(direction, stacked, index.to(torch.int32), originals.to(dtype), dtype)
+
+
+def pair_roles(sliding_windows: tuple, start: float) -> dict[int, int]:
+    """Layer index -> role (0 shallower, 1 deeper) for pairs ``(S, S+1), (S+2, S+3)...`` of full-attention layers."""
+    layers = len(sliding_windows)
+    roles: dict[int, int] = {}
+    first = round(start * layers)
+    while first + 1 < layers:
+        if sliding_windows[first] is None and sliding_windows[first + 1] is None:
+            roles[first], roles[first + 1] = 0, 1
+            first += 2
+        else:
+            first += 1
+    return roles
