@@ -42,6 +42,13 @@ QUANT = ["kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "tokenquant:bits=8", "toke
 QUANT_PEERS = ["hf-quanto:bits=4", "hf-quanto:bits=2"]
 #: Accuracy of quantization and of eviction + quantization, in the query-agnostic grid.
 QUANT_ACCURACY = ["kivi:bits=4", "kivi:bits=2", "mixedkv", "snapkv:ratio=0.75+kivi:bits=4", "hf-quanto:bits=4"]
+#: Measured bytes vs the theoretical size of the budget, right after a 4k prefill.
+MEMORY_CHECK = [
+    "full", *(f"{m}:ratio=0.75" for m in ("snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "kvzip")),
+    "kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "tokenquant:bits=4", "mixedkv", "minikv", "minicache",
+    "minicache+kivi:bits=4", "snapkv:ratio=0.75+kivi:bits=4", "snapkv:ratio=0.75+kivi:bits=4,residual=32",
+    "kvpress:snapkv:ratio=0.75", "kvpress:adakv-snapkv:ratio=0.75",
+]
 #: Decode speed and peak process memory, one fresh process per run (benchmarks/decode_memory.py).
 DECODE_MEMORY = ["hf", "full", "kivi:bits=4", "hf-quanto:bits=4", "kivi:bits=2", "hf-quanto:bits=2"]
 
@@ -93,8 +100,8 @@ def main() -> None:
     parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps", default="load,agnostic,ppl,quant-ppl,memory,bench,speed,aware",
-        help="comma-separated subset of load,agnostic,ppl,quant-ppl,memory,bench,speed,aware",
+        "--steps", default="load,agnostic,ppl,check,quant-ppl,memory,bench,speed,aware",
+        help="comma-separated subset of load,agnostic,ppl,check,quant-ppl,memory,bench,speed,aware",
     )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
@@ -145,12 +152,87 @@ def main() -> None:
         )  # fmt: skip
         run_eval(ppl, args.results, loaded=loaded)
         timings["perplexity (quantization)"] = time.perf_counter() - start
+    if "check" in steps:
+        start = time.perf_counter()
+        memory_check(loaded, MEMORY_CHECK, args.speed_length, args.results)
+        timings["measured vs theoretical bytes"] = time.perf_counter() - start
     if "memory" in steps:
         start = time.perf_counter()
         decode_memory(_ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens, args.results)
         timings["decode speed and memory"] = time.perf_counter() - start
     save_timings(args.results, timings)
     compose(args, timings)
+
+
+CHECK_FILE = "memory_check.jsonl"
+
+
+def memory_check(loaded, specs: list[str], length: int, results: Path) -> None:
+    """Bytes each cache holds right after a ``length``-token prefill of real text, vs its theoretical size.
+
+    kvopt methods replay one recorded prefill; presses run their own. Theoretical: ``kvopt memory``'s
+    estimate (the budget's tokens, quantization overheads included); for a press, the kept fraction
+    of the full cache.
+    """
+    from kvopt.eval.contenders import parse_contender
+    from kvopt.eval.decoding import forward, shared_prefill
+    from kvopt.eval.tasks.text import real_text
+    from kvopt.memory import estimate
+    from kvopt.models.info import ModelInfo
+
+    model, tokenizer = loaded
+    info = ModelInfo.from_config(model.config)
+    ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"][:length]
+    shared = shared_prefill(model, ids)
+    full = estimate(info, length, dtype=model.dtype).total_bytes
+    rows = []
+    for spec in specs:
+        contender = parse_contender(spec)
+        if contender.missing():
+            continue
+        with torch.inference_mode():
+            cache = contender.new_cache(model)
+            if contender.family == "kvopt":
+                cache.replay_prefill(shared.cache)
+                contender.after_prefill(model, cache, ids, tokenizer)
+                theoretical = estimate(info, length, methods=cache.methods, dtype=model.dtype).total_bytes
+            else:
+                with contender.compressing(model):
+                    forward(model, ids, cache, 0)
+                theoretical = round(full * (1 - contender.ratio))
+        rows.append({"method": contender.spec, "length": length, "measured": contender.held_bytes(cache),
+                     "theoretical": theoretical, "full": full})  # fmt: skip
+        print(rows[-1])
+    (results / CHECK_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def check_section(results: Path) -> list[str]:
+    path = results / CHECK_FILE
+    if not path.exists():
+        return []
+    from kvopt.memory import human_bytes
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [
+        f"## Measured KV bytes vs the theoretical size ({rows[0]['length']}-token prefill)",
+        "",
+        "Bytes of the tensors each cache holds right after the prefill (kvopt: positions, validity bits and "
+        "buffer slack included) vs `kvopt memory --method`'s theoretical size (the budget's tokens at full "
+        "precision; quantization: codes, fp16 scales and zero-points, positions of quantized tokens and the "
+        "full-precision remainder). For kvpress presses the theoretical size is (1 − ratio) of the full cache. "
+        "`x full (fp32)` is measured bytes over the full cache's theoretical bytes in the model's dtype (fp32 "
+        "here); `x fp16 full` compares with a full cache stored in fp16 (twice the fp32 fraction).",
+        "",
+        "| method | measured | theoretical | measured / theoretical | x full (fp32) | x fp16 full |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        fraction = row["measured"] / row["full"]
+        lines.append(
+            f"| `{row['method']}` | {human_bytes(row['measured'])} | {human_bytes(row['theoretical'])} | "
+            f"{row['measured'] / row['theoretical']:.3f} | {fraction:.3f} | {2 * fraction:.3f} |"
+        )
+    return lines + [""]
 
 
 MEMORY_FILE = "decode_memory.jsonl"
@@ -262,7 +344,8 @@ def compose(args, timings: dict[str, float]) -> None:
         f"decoded tokens, median of {args.repeats}.",
         "",
     ]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(header) + report + "\n".join(["", *memory_section(args.results)]))
+    extra = ["", *check_section(args.results), *memory_section(args.results)]
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(header) + report + "\n".join(extra))
     print((ROOT / "BENCHMARKS.md").read_text())
 
 

@@ -12,6 +12,7 @@ from kvopt.cache.merged import slerp_merge
 from kvopt.errors import MethodParameterError
 from kvopt.memory import estimate
 from kvopt.methods import parse
+from kvopt.methods.base import LayerContext
 from kvopt.models.info import ModelInfo
 
 from tiny_models import VOCAB
@@ -95,7 +96,8 @@ def test_minicache_frees_memory_and_matches_its_theoretical_size(spec):
     (method,) = cache.methods
     info = ModelInfo.from_config(model.config)
     for layer in merged:  # the merged layers hold what the theoretical size says (unmerged ones are `full`)
-        assert abs(layer.nbytes() / method.layer_bytes(1000, info, 4, layer.index) - 1) <= 0.02
+        context = LayerContext(layer.index, (method,), per_head=False)
+        assert abs(layer.nbytes() / method.layer_bytes(1000, info, 4, context) - 1) <= 0.02
     theoretical = estimate(info, 1000, methods=parse(spec), dtype=torch.float32).total_bytes
     assert theoretical < estimate(info, 1000, dtype=torch.float32).total_bytes
 

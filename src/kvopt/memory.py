@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.methods import Method
+from kvopt.methods.base import LayerContext
 from kvopt.models.info import ModelInfo
 
 
@@ -57,8 +58,10 @@ def estimate(
         tokens.append(kept)
         layer = kept * per_layer_token_bytes
         if window is None:  # sliding layers stay in full precision
-            for method in methods or []:
-                stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype), index)
+            for position, method in enumerate(methods or []):
+                per_head = any(m.selects_per_head for m in (methods or [])[:position])
+                context = LayerContext(index, tuple(methods or []), per_head)
+                stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype), context)
                 layer = stored if stored is not None else layer
         total += layer * batch
     return MemoryEstimate(seq_len, batch, bytes_per_token(info, dtype), tuple(tokens), total)

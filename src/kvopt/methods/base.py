@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from kvopt.models.info import ModelInfo
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What a theoretical-size computation knows about one layer (see :meth:`Method.layer_bytes`)."""
+
+    index: int
+    #: Every method of the spec, in order (a method may defer to another one's storage).
+    methods: tuple
+    #: Whether an earlier method chose tokens per KV head (positions are then stored per head).
+    per_head: bool
+
+
 @dataclass
 class Method:
     """Base class of cache policies.
@@ -62,9 +73,16 @@ class Method:
         """Tokens one sequence keeps per layer after ``seen_tokens`` tokens (theoretical size)."""
         return seen_tokens
 
-    def layer_bytes(self, kept_tokens: int, model: ModelInfo, element_bytes: int, layer: int) -> int | None:
-        """Bytes one sequence's ``kept_tokens`` take in (full-attention) layer ``layer`` when this
-        method changes how tokens are stored (quantization); None leaves the full-precision size."""
+    #: True when the method keeps a different token set per KV head (so positions are per head).
+    selects_per_head: ClassVar[bool] = False
+
+    def owns_layer(self, index: int) -> bool:
+        """True when this method stores layer ``index``'s tokens its own way (cross-layer merging)."""
+        return False
+
+    def layer_bytes(self, kept_tokens: int, model: ModelInfo, element_bytes: int, layer: LayerContext) -> int | None:
+        """Bytes one sequence's ``kept_tokens`` take in a (full-attention) layer when this method
+        changes how tokens are stored (quantization, merging); None leaves the full-precision size."""
         return None
 
     def prepare(self, model) -> None:

@@ -37,6 +37,7 @@ class Eviction(Method):
     compress_every: int = field(default=1, metadata={"help": "decode schedule: evict once this many tokens over budget"})
 
     schedule: ClassVar[str] = "prefill"
+    selects_per_head = True
     budget_convention = "ratio = fraction removed, or budget = tokens kept (window included)"
 
     def validate(self) -> None:

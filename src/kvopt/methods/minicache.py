@@ -30,7 +30,7 @@ from kvopt.cache.merged import MergedPair, PlainKV, slerp_merge
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method, register, require_ratio
-from kvopt.methods.quantization import BOOKKEEPING_BYTES
+from kvopt.methods.quantization import BOOKKEEPING_BYTES, dense_bytes, packed_bytes
 
 
 @register
@@ -70,16 +70,26 @@ class MiniCache(Method):
                 f"({model.num_layers} layers); lower start"
             )
 
-    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer: int) -> int | None:
-        """Half of the pair's storage (directions, both magnitudes, retained originals, indices, positions)."""
-        if layer not in self.roles or kept_tokens < 1:
+    def owns_layer(self, index: int) -> bool:
+        return index in self.roles
+
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
+        """Half of the pair's storage (directions -- KIVI-packed when kivi follows --, both layers'
+        magnitudes, retained originals and their indices, positions), plus this layer's unmerged remainder."""
+        if layer.index not in self.roles or kept_tokens < 1:
             return None
         heads, dim = model.num_kv_heads, model.head_dim
-        retained = math.ceil(self.retain * kept_tokens)
-        pair = heads * (
-            kept_tokens * (2 * dim + 4) * element_bytes + retained * (4 * dim * element_bytes + 4)
-        ) + kept_tokens * BOOKKEEPING_BYTES  # fmt: skip
-        return pair // 2 + (pair % 2 if self.roles[layer] == 0 else 0)
+        quantizer = next((m for m in layer.methods if m.name == "kivi"), None)
+        merged = kept_tokens // quantizer.group * quantizer.group if quantizer is not None else kept_tokens
+        aligned = not layer.per_head
+        if quantizer is not None:
+            directions = packed_bytes(merged, heads, dim, quantizer.bits, quantizer.group, quantizer.key_mode, aligned)
+        else:
+            directions = merged * (heads * 2 * dim * element_bytes + BOOKKEEPING_BYTES * (1 if aligned else heads))
+        retained = math.ceil(self.retain * merged)
+        pair = directions + heads * (4 * merged * element_bytes + retained * (4 * dim * element_bytes + 4))
+        share = pair // 2 + (pair % 2 if self.roles[layer.index] == 0 else 0)
+        return share + dense_bytes(kept_tokens - merged, heads, dim, element_bytes)
 
     def after_attention(self, layer, step) -> None:
         role = self.roles.get(layer.index)

@@ -50,17 +50,32 @@ class Quantization(Method):
         """``(bits, tokens)`` of the quantized tokens of one sequence in layer ``layer``."""
         raise NotImplementedError
 
-    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer: int) -> int:
-        """Size right after a prefill of ``kept_tokens``: the remainder at full precision (with its
-        positions and validity bytes per head); quantized
-        tokens: packed codes, fp16 scale and zero per key group (per channel over ``group`` tokens,
-        or per token) and per value group (per token, ``group`` channels), and bookkeeping."""
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
+        """Size right after a prefill of ``kept_tokens``: whole groups packed (:func:`packed_bytes`),
+        the remainder at full precision (:func:`dense_bytes`)."""
+        if any(m.owns_layer(layer.index) for m in layer.methods if m is not self):
+            return None  # a cross-layer merge owns this layer's tokens (and accounts for their quantization)
         heads, dim = model.num_kv_heads, model.head_dim
         quantized = kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
-        residual = kept_tokens - quantized
-        per_token_groups = dim // min(self.group, dim) * 4  # fp16 scale + zero per channel group
-        key_params = dim * 4 / self.group if self.key_mode == "channel" else per_token_groups
-        params = heads * (key_params + per_token_groups)
-        bookkeeping = BOOKKEEPING_BYTES * (1 if self.heads_aligned else heads)
-        codes = sum(tokens * 2 * heads * dim * bits // 8 for bits, tokens in self.bit_classes(quantized, layer))
-        return int(residual * heads * (2 * dim * element_bytes + BOOKKEEPING_BYTES) + codes + quantized * (params + bookkeeping))
+        aligned = self.heads_aligned and not layer.per_head
+        packed = sum(
+            packed_bytes(tokens, heads, dim, bits, self.group, self.key_mode, aligned)
+            for bits, tokens in self.bit_classes(quantized, layer.index)
+        )
+        return dense_bytes(kept_tokens - quantized, heads, dim, element_bytes) + packed
+
+
+def dense_bytes(tokens: int, heads: int, dim: int, element_bytes: int) -> int:
+    """Full-precision keys and values of ``tokens`` tokens, with a position and validity byte per head."""
+    return tokens * heads * (2 * dim * element_bytes + BOOKKEEPING_BYTES)
+
+
+def packed_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, key_mode: str, aligned: bool) -> int:
+    """Quantized keys and values of ``tokens`` tokens: packed codes, fp16 scale and zero per key group
+    (per channel over ``group`` tokens, or per token) and per value group (per token, ``group``
+    channels), plus a position and validity byte per token (per head unless heads are aligned)."""
+    per_token_groups = dim // min(group, dim) * 4
+    key_params = dim * 4 / group if key_mode == "channel" else per_token_groups
+    codes = 2 * heads * dim * bits // 8
+    bookkeeping = BOOKKEEPING_BYTES * (1 if aligned else heads)
+    return int(tokens * (codes + heads * (key_params + per_token_groups) + bookkeeping))

@@ -61,6 +61,7 @@ class StreamingLLM(Eviction):
     """Keep the first ``sinks`` tokens and the most recent ones; attend by positions in the cache."""
 
     name = "streamingllm"
+    selects_per_head = False  # one token set for all heads of a layer
     summary = "attention sinks + recent window, layer-shared, positions within the cache (StreamingLLM)"
     schedule = "decode"
     budget_convention = (

@@ -23,6 +23,7 @@ class TOVA(Eviction):
     """Keep the tokens the last query attends to most, averaged over all heads (layer-shared)."""
 
     name = "tova"
+    selects_per_head = False  # one token set for all heads of a layer
     summary = "last-query attention averaged over heads; constant-size cache at every step (TOVA)"
     schedule = "decode"
 
