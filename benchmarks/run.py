@@ -333,14 +333,16 @@ def compose(args, timings: dict[str, float]) -> None:
         f"Load time of the default model: cold {timings.get('load cold s', float('nan')):.1f} s (GGUF conversion and "
         f"save, once), warm {timings.get('load warm s', float('nan')):.1f} s.",
         "",
-        f"Grid: tasks {args.tasks} at {args.lengths} tokens, {args.depths} depth(s) x {args.samples} sample(s). "
-        "Query-agnostic mode (the context is compressed before the question is seen) for every contender; "
-        "query-aware mode (question inside the compressed prompt) for the baseline, window, snapkv, tova and the "
-        "kvpress presses. Decode-time kvopt methods (window, streamingllm, tova) keep their budget while the question "
-        "and answer are added, where presses let the cache grow past it: at equal nominal ratio they hold fewer "
-        "tokens. Perplexity: "
-        f"{args.ppl_tokens} tokens of real text streamed in chunks of {args.ppl_chunk} (`window` = its default "
-        f"size=1024; methods: {args.ppl_methods}). Bench: {args.new_tokens} "
+        f"Grid: tasks {args.tasks} at {args.lengths} tokens, one needle depth (0.5), {args.samples} sample(s) per "
+        f"task and length in the query-agnostic mode (the context is compressed before the question is seen: "
+        f"every contender) and {args.aware_samples} in the query-aware mode (question inside the compressed "
+        "prompt: every contender but kvzip and the quantizers). kvopt methods replay one recorded lossless prefill "
+        "per prompt (identical results, tested); presses run their own. Decode-time kvopt methods (window, "
+        "streamingllm, tova) keep their budget while the question and answer are added, where presses let the "
+        "cache grow past it: at equal nominal ratio they hold fewer tokens (the KV held column shows it). "
+        f"Perplexity: {args.ppl_tokens} tokens of real text streamed in chunks of {args.ppl_chunk} for "
+        f"{args.ppl_methods} (`streamingllm:sinks=4,window=1020` keeps 1,024 tokens), and "
+        f"{args.quant_ppl_tokens} tokens for the quantizers next to HF's QuantizedCache. Bench: {args.new_tokens} "
         f"decoded tokens, median of {args.repeats}.",
         "",
     ]

@@ -230,15 +230,19 @@ def _accuracy_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str
         scores = [_score(cells.get((info.spec, length), [])) for length in lengths]
         scores.append(_score(by_spec[info.spec]))
         cells_text = [score.cell() if score else "–" for score in scores]
-        body.append([f"`{info.spec}`", info.family, info.ratio_text(), *cells_text])
-    return _table(["method", "family", "ratio"] + [str(n) for n in lengths] + ["all lengths"], body)
+        held = _median(_kept_fraction(r) for r in by_spec[info.spec])
+        held_text = f"{held:.2f}" if held is not None else "–"
+        body.append([f"`{info.spec}`", info.family, info.ratio_text(), held_text, *cells_text])
+    header = ["method", "family", "ratio", "KV held"] + [str(n) for n in lengths] + ["all lengths"]
+    return _table(header, body)
 
 
 def _accuracy_section(tasks: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
     if not tasks:
         return ["## Accuracy", "", "No scored task rows in eval.jsonl.", ""]
     lines = ["## Accuracy", "", "Columns are context lengths in tokens; `ratio` is the nominal fraction of context "
-             "tokens removed.", ""]
+             "tokens removed; `KV held` is the median peak KV bytes over a full cache's bytes at the same length "
+             "(measured from the tensors).", ""]
     for mode in _modes(tasks):
         in_mode = [r for r in tasks if str(r.get("mode")) == mode]
         by_task = _group(in_mode, lambda r: str(r.get("task")))
