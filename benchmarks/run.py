@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--bench-methods", default="full,window:size=512")
     parser.add_argument("--speed-length", type=int, default=4096)
     parser.add_argument("--speed-methods", default=",".join(SPEED_METHODS))
+    parser.add_argument("--speed-repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", default="2048,4096")
@@ -120,7 +121,7 @@ def main() -> None:
     if "speed" in steps:  # every method's decode speed at long context, same run as full and HF
         start = time.perf_counter()
         run_bench(
-            [args.speed_length], split_specs(args.speed_methods), args.results, args.new_tokens, args.repeats,
+            [args.speed_length], split_specs(args.speed_methods), args.results, args.new_tokens, args.speed_repeats,
             loaded=loaded,
         )  # fmt: skip
         timings["speed per method"] = time.perf_counter() - start
