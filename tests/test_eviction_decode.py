@@ -109,6 +109,8 @@ class Reference:
         batch = len(self.keys)
         if self.targets is None:  # fixed from the prefill's real tokens
             self.targets = [self.row_target(int(inputs["valid"][b].sum())) for b in range(batch)]
+        elif self.method.ratio is not None:  # later tokens come on top of the prompt's share
+            self.targets = [target + len(inputs["positions"]) for target in self.targets]
         for b in range(batch):
             for t, position in enumerate(inputs["positions"]):
                 if inputs["valid"][b, t]:

@@ -7,9 +7,12 @@ StreamingLLM). The base turns the budget into a token count per row, protects th
 recent ``window`` tokens, never keeps padding as a kept token, selects the top tokens and
 *moves them into a smaller buffer*, so the bytes held really drop.
 
-Budgets: ``ratio`` is the fraction of (prefill) tokens removed, kvpress's convention;
-``budget`` is the number of tokens kept per sequence, head and layer, the papers'
-``max_capacity`` convention. Protected recent tokens count inside the budget.
+Budgets: ``ratio`` is the fraction of the *prompt* removed at the prefill, kvpress's
+convention: tokens that arrive later (the question, the answer) are added on top, so at equal
+ratio every method and every press holds the same number of tokens; ``budget`` is the number
+of tokens kept per sequence, head and layer at all times, the papers' ``max_capacity``
+convention, which bounds memory during long generations. Protected recent tokens count
+inside the budget.
 
 Schedules: ``prefill`` methods compress once, right after the first forward pass (SnapKV
 family); ``decode`` methods compress whenever the cache holds ``compress_every`` tokens more
@@ -94,14 +97,16 @@ class Eviction(Method):
 
         ``step`` is None when a method compresses outside an attention call (KVzip, after the prefill).
         """
-        key = f"{self.name}.targets"
+        key, since = f"{self.name}.targets", f"{self.name}.seen_at_prefill"
         if step is None or step.is_prefill or key not in layer.state:
             real = layer.store.valid[:, 0].sum(dim=-1)
             if self.ratio is not None:
                 targets = (real.double() * (1 - self.ratio)).long().clamp(min=1)
             else:
                 targets = real.clamp(max=self.budget) if self.schedule == "prefill" else torch.full_like(real, self.budget)
-            layer.state[key] = targets
+            layer.state[key], layer.state[since] = targets, layer.seen
+        if self.ratio is not None:  # later tokens come on top of the prompt's share (kvpress's convention)
+            return layer.state[key] + (layer.seen - layer.state[since])
         return layer.state[key]
 
     def kept_tokens(self, seen_tokens: int) -> int:

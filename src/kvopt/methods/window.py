@@ -20,8 +20,8 @@ from kvopt.methods.base import Method, register, require_positive, require_ratio
 class Window(Method):
     """Keep the ``size`` most recent tokens of every sequence; evict the oldest.
 
-    With ``ratio`` instead, the size is fixed at the first forward pass (the prefill) as
-    ``int(n * (1 - ratio))`` of its ``n`` tokens: kvpress's budget convention.
+    With ``ratio`` instead, the prefill keeps ``int(n * (1 - ratio))`` of its ``n`` tokens and
+    later tokens are added on top: kvpress's budget convention (use ``size`` to bound memory).
     """
 
     name = "window"
@@ -47,8 +47,8 @@ class Window(Method):
         size = self.size
         if self.ratio is not None:
             if step.is_prefill:
-                layer.state[self.name] = max(1, int(step.query.shape[-2] * (1 - self.ratio)))
-            size = layer.state[self.name]
+                layer.state[self.name] = max(1, int(step.query.shape[-2] * (1 - self.ratio))) - layer.seen
+            size = layer.state[self.name] + layer.seen
         excess = len(layer.store) - size
         if excess > 0:
             layer.store.drop_oldest(excess)
