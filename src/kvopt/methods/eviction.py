@@ -41,7 +41,9 @@ class Eviction(Method):
 
     schedule: ClassVar[str] = "prefill"
     selects_per_head = True
-    budget_convention = "ratio = fraction of the prompt removed (later tokens added), or budget = tokens kept at all times"
+    budget_convention = (
+        "ratio = fraction of the prompt removed (later tokens added), or budget = tokens kept at all times"
+    )
 
     def validate(self) -> None:
         if (self.ratio is None) == (self.budget is None):
