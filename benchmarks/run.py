@@ -159,7 +159,10 @@ def main() -> None:
         timings["measured vs theoretical bytes"] = time.perf_counter() - start
     if "memory" in steps:
         start = time.perf_counter()
-        decode_memory(_ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens, args.results)
+        decode_memory(
+            _ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens,
+            args.results,
+        )  # fmt: skip
         timings["decode speed and memory"] = time.perf_counter() - start
     save_timings(args.results, timings)
     compose(args, timings)

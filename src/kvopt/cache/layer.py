@@ -196,7 +196,9 @@ class KVLayer(CacheLayerMixin):
         One explicit softmax serves both the scores and the output (no second attention pass).
         """
         if self.prefix is not None or self.quantized or self.merged is not None:
-            raise CacheUsageError("scoring passes (kvzip) need dense storage; put kvzip before adakv, kivi or minicache")
+            raise CacheUsageError(
+                "scoring passes (kvzip) need dense storage; put kvzip before adakv, kivi or minicache"
+            )
         from kvopt.methods.scores import attention_probs, grouped_attention_output
 
         store = self.store

@@ -93,7 +93,9 @@ class QuantizedKV:
         return self.valid[:, 0].sum(dim=-1)
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop`` (on group boundaries in channel mode)."""
+        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop``.
+
+        In channel mode ``start`` must lie on a group boundary (groups span tokens)."""
         stop = len(self) if stop is None else stop
         if self.key_mode == "channel":
             keys = quant.dequantize(self.keys.select(2, start // self.group, -(-stop // self.group)), self.dtype)
