@@ -302,6 +302,13 @@ def test_generating_keeps_bytes_bounded(spec):
     assert cache.nbytes() < 0.3 * full.nbytes()
 
 
+@pytest.mark.parametrize("spec", ["h2o:ratio=0.5", "streamingllm:ratio=0.5", "tova:ratio=0.5", "window:ratio=0.5"])
+def test_a_ratio_removes_the_prompts_share_and_later_tokens_come_on_top(spec):
+    """kvpress's convention: equal ratios hold equal tokens, whatever the method's schedule."""
+    _, trace = decode(spec, 40, 12)
+    assert [lengths for lengths, _ in trace] == [[20 + step] * 3 for step in range(1, 13)]
+
+
 @pytest.mark.parametrize("spec", [s.replace("32", "16") + ",compress_every=8" for s in SPECS])
 def test_compress_every_lets_the_cache_breathe(spec):
     budget = 16
