@@ -236,8 +236,9 @@ def list_methods(
         table.add_row(cls.name, cls.summary, params or "-")
     console.print(table)
     console.print(
-        "Budgets: ratio = fraction of tokens removed (kvpress convention); budget = tokens kept per sequence, "
-        "head and layer, recent window included (the papers' convention).",
+        "Budgets: ratio = fraction of the prompt removed at the prefill, later tokens added on top (kvpress "
+        "convention); budget = tokens kept per sequence, head and layer at all times, recent window included "
+        "(the papers' convention). Quantizers keep every token in fewer bits; methods compose with '+'.",
         highlight=False,
     )
 

@@ -29,7 +29,7 @@ class KIVI(Quantization):
     """Keys per channel, values per token, bit-packed; the newest ``residual`` tokens in full precision."""
 
     name = "kivi"
-    summary = "KIVI quantization: keys per channel, values per token, 2/4/8-bit packed, fp residual window"
+    summary = "KIVI quantization: keys per channel, values per token, 2/4/8-bit bit-packed, recent tokens in fp"
 
     bits: int = field(default=4, metadata={"help": "bits per quantized element: 2, 4 or 8"})
 

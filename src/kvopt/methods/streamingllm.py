@@ -62,7 +62,7 @@ class StreamingLLM(Eviction):
 
     name = "streamingllm"
     selects_per_head = False  # one token set for all heads of a layer
-    summary = "attention sinks + recent window, layer-shared, positions within the cache (StreamingLLM)"
+    summary = "attention sinks + recent window, layer-shared; rolls positions past the trained context (StreamingLLM)"
     schedule = "decode"
     budget_convention = (
         "budget = tokens kept (sinks included), or ratio = fraction of the prefill removed, or sinks + window"

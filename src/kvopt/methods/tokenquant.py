@@ -22,7 +22,7 @@ class TokenQuant(KIVI):
     """Keys and values quantized per token (groups of channels); the newest ``residual`` tokens in full precision."""
 
     name = "tokenquant"
-    summary = "per-token int8/int4 quantization of keys and values (simple baseline), fp residual window"
+    summary = "per-token int8/int4 quantization of keys and values (simple baseline), recent tokens in fp"
 
     bits: int = field(default=8, metadata={"help": "bits per quantized element: 2, 4 or 8"})
     group: int = field(default=64, metadata={"help": "channels per quantization group (tokens leave the residual this many at a time)"})
