@@ -49,7 +49,7 @@ def run_bench(
         run_prompt(model, contenders[0], ids[:64], [], 2, QUERY_AWARE, set())  # warm-up
         for repeat in range(repeats):
             for contender in contenders:
-                outcome = run_prompt(model, contender, ids, [], new_tokens, QUERY_AWARE, set())
+                outcome = run_prompt(model, contender, ids, [], new_tokens, QUERY_AWARE, set(), tokenizer)
                 rows.append(
                     {
                         "method": contender.spec,
