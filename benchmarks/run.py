@@ -137,22 +137,17 @@ def main() -> None:
             )  # fmt: skip
             run_eval(grid, args.results, loaded=loaded)
             timings[f"accuracy grid ({mode.replace('_', '-')})"] = time.perf_counter() - start
-    if "ppl" in steps:
-        start = time.perf_counter()
-        ppl = EvalGrid(
-            tasks=["ppl"], lengths=[], methods=split_specs(args.ppl_methods), ppl_tokens=args.ppl_tokens,
-            ppl_chunk=args.ppl_chunk,
-        )  # fmt: skip
-        run_eval(ppl, args.results, loaded=loaded)
-        timings["perplexity"] = time.perf_counter() - start
-    if "quant-ppl" in steps:
-        start = time.perf_counter()
-        ppl = EvalGrid(
-            tasks=["ppl"], lengths=[], methods=split_specs(args.quant_ppl_methods), ppl_tokens=args.quant_ppl_tokens,
-            ppl_chunk=args.ppl_chunk,
-        )  # fmt: skip
-        run_eval(ppl, args.results, loaded=loaded)
-        timings["perplexity (quantization)"] = time.perf_counter() - start
+    for step, label, methods, tokens in (
+        ("ppl", "perplexity", args.ppl_methods, args.ppl_tokens),
+        ("quant-ppl", "perplexity (quantization)", args.quant_ppl_methods, args.quant_ppl_tokens),
+    ):
+        if step in steps:
+            start = time.perf_counter()
+            ppl = EvalGrid(
+                tasks=["ppl"], lengths=[], methods=split_specs(methods), ppl_tokens=tokens, ppl_chunk=args.ppl_chunk
+            )
+            run_eval(ppl, args.results, loaded=loaded)
+            timings[label] = time.perf_counter() - start
     if "check" in steps:
         start = time.perf_counter()
         memory_check(loaded, MEMORY_CHECK, args.speed_length, args.results)
