@@ -42,6 +42,12 @@ QUANT = ["kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "tokenquant:bits=8", "toke
 QUANT_PEERS = ["hf-quanto:bits=4", "hf-quanto:bits=2"]
 #: Accuracy of quantization and of eviction + quantization, in the query-agnostic grid.
 QUANT_ACCURACY = ["kivi:bits=4", "kivi:bits=2", "mixedkv", "snapkv:ratio=0.75+kivi:bits=4", "hf-quanto:bits=4"]
+#: The 75%-removed claim (share of full's answers kept) with more prompts: the strongest methods of
+#: each kind, the best press, and 4-bit quantization alone and after eviction.
+RETENTION = [
+    "full", "kvzip:ratio=0.75", "tova:ratio=0.75", "streamingllm:ratio=0.75", "kvpress:tova:ratio=0.75",
+    "kivi:bits=4", "snapkv:ratio=0.75+kivi:bits=4",
+]
 #: Measured bytes vs the theoretical size of the budget, right after a 4k prefill.
 MEMORY_CHECK = [
     "full", *(f"{m}:ratio=0.75" for m in ("snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "kvzip")),
@@ -92,6 +98,8 @@ def main() -> None:
     parser.add_argument("--depths", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--aware-samples", type=int, default=1)
+    parser.add_argument("--retention-tasks", default="passkey,niah,niah_multivalue")
+    parser.add_argument("--retention-samples", type=int, default=4)
     parser.add_argument("--ppl-tokens", type=int, default=8000)
     parser.add_argument("--ppl-chunk", type=int, default=32)
     parser.add_argument("--ppl-methods", default="full,window:size=1024,streamingllm:sinks=4,window=1020")
@@ -101,8 +109,8 @@ def main() -> None:
     parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps", default="load,agnostic,ppl,check,quant-ppl,memory,bench,speed,aware",
-        help="comma-separated subset of load,agnostic,ppl,check,quant-ppl,memory,bench,speed,aware",
+        "--steps", default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware",
+        help="comma-separated subset of load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware",
     )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
@@ -125,18 +133,19 @@ def main() -> None:
             loaded=loaded,
         )  # fmt: skip
         timings["speed per method"] = time.perf_counter() - start
-    for mode, step, methods, samples in (
-        (QUERY_AGNOSTIC, "agnostic", agnostic_methods(), args.samples),
-        (QUERY_AWARE, "aware", aware_methods(), args.aware_samples),
+    for mode, step, tasks, methods, samples in (
+        (QUERY_AGNOSTIC, "agnostic", args.tasks, agnostic_methods(), args.samples),
+        (QUERY_AGNOSTIC, "retention", args.retention_tasks, RETENTION, args.retention_samples),
+        (QUERY_AWARE, "aware", args.tasks, aware_methods(), args.aware_samples),
     ):
         if step in steps:
             start = time.perf_counter()
             grid = EvalGrid(
-                tasks=args.tasks.split(","), lengths=_ints(args.lengths), methods=methods, depths=args.depths,
+                tasks=tasks.split(","), lengths=_ints(args.lengths), methods=methods, depths=args.depths,
                 samples=samples, modes=[mode],
             )  # fmt: skip
             run_eval(grid, args.results, loaded=loaded)
-            timings[f"accuracy grid ({mode.replace('_', '-')})"] = time.perf_counter() - start
+            timings[f"accuracy grid ({step})"] = time.perf_counter() - start
     for step, label, methods, tokens in (
         ("ppl", "perplexity", args.ppl_methods, args.ppl_tokens),
         ("quant-ppl", "perplexity (quantization)", args.quant_ppl_methods, args.quant_ppl_tokens),

@@ -69,3 +69,30 @@ def test_minikv_composes_after_prefill_eviction():
 def test_bad_minikv_parameters_say_what_to_do(spec, fragment):
     with pytest.raises(MethodParameterError, match=fragment):
         parse(spec)
+
+
+def test_calibration_replaying_one_prefill_equals_a_prefill_per_probe():
+    """sensitivities() prefills the context once and replays it; a probe cache prefilled directly agrees."""
+    from kvopt.cache import build_cache
+    from kvopt.methods.minikv import SCORED_TOKENS
+
+    model = sensitive_layer_model(1)
+    method = MiniKV(low=2, high=8, group=16, calibration=256)
+    ids = torch.randint(3, VOCAB, (1, 256), generator=torch.Generator().manual_seed(4))
+    context, scored = ids[:, :-SCORED_TOKENS], ids[:, -SCORED_TOKENS:]
+
+    def log_probs(layer_bits):
+        probe = MiniKV(low=2, high=8, group=16, residual=0)
+        probe.layer_bits = layer_bits
+        cache = build_cache([probe], model)
+        with torch.no_grad():
+            model(context, past_key_values=cache)
+            return torch.log_softmax(model(scored, past_key_values=cache).logits[0].float(), dim=-1)
+
+    reference = log_probs([None] * 3)
+    expected = [
+        torch.nn.functional.kl_div(log_probs([2 if i == layer else None for i in range(3)]), reference,
+                                   log_target=True, reduction="batchmean").item()
+        for layer in range(3)
+    ]  # fmt: skip
+    assert sensitivities(method, model, ids) == pytest.approx(expected, rel=1e-4, abs=1e-7)

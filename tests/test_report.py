@@ -160,3 +160,18 @@ def test_corrupt_line_names_file_and_line(tmp_path):
     path.write_text('{"a": 1}\n[1, 2]\n', encoding="utf-8")
     with pytest.raises(KVOptError, match="line 2: expected a JSON object"):
         load_rows(path)
+
+
+def test_retention_pairs_each_method_with_the_reference_prompt_by_prompt():
+    def row(method: str, sample: int, score: float) -> dict:
+        return {"task": "passkey", "length": 1024, "depth": 0.5, "sample": sample, "seed": 0, "mode": "query_agnostic",
+                "method": method, "method_name": method.split(":")[0], "family": "kvopt", "score": score}  # fmt: skip
+
+    full = [row("full", s, score) for s, score in enumerate([1, 1, 1, 0])]
+    # Solves two of full's three answers, the prompt full misses, and one prompt full never ran.
+    method = [row("tova:ratio=0.75", s, score) for s, score in enumerate([1, 0, 1, 1, 1])]
+    lines = report._retention_section(full + method, report._methods(full + method))
+    line = next(line for line in lines if line.startswith("| `tova:ratio=0.75` |"))
+    low, high = wilson_interval(2, 3)
+    assert f"| 4 | 75% vs 75% | 67% [{low * 100:.0f}–{high * 100:.0f}] |" in line
+    assert report._retention_section(method, report._methods(method)) == []  # no reference, no table

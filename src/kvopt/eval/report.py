@@ -255,6 +255,53 @@ def _accuracy_section(tasks: list[Row], methods: dict[str, MethodInfo]) -> list[
     return lines
 
 
+def _prompt_key(row: Row) -> tuple:
+    return tuple(row.get(k) for k in ("mode", "task", "length", "depth", "sample", "seed"))
+
+
+def _retention_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
+    """Each method against the reference on the prompts both answered, so unequal sample sets never mix.
+
+    ``kept`` is the share of the reference's correct answers the method also gets (sum of
+    min(method, reference) over the reference's sum), with a 95% Wilson interval over the
+    reference's successes: the figure a "keeps X% of full's accuracy" claim needs.
+    """
+    by_spec = _group(rows, _spec)
+    reference = _baseline(by_spec, methods)
+    if reference is None:
+        return []
+    reference_scores = {_prompt_key(r): float(r["score"]) for r in by_spec[reference]}
+    body = []
+    for info in _ordered({s: methods[s] for s in by_spec if s != reference}):
+        pairs = [(float(r["score"]), reference_scores[k]) for r in by_spec[info.spec]
+                 if (k := _prompt_key(r)) in reference_scores]  # fmt: skip
+        solved = sum(ref for _, ref in pairs)
+        if not solved:
+            continue
+        kept = sum(min(mine, ref) for mine, ref in pairs)
+        low, high = wilson_interval(kept, round(solved))
+        accuracy = sum(mine for mine, _ in pairs) / len(pairs)
+        body.append([
+            f"`{info.spec}`", info.family, info.ratio_text(), str(len(pairs)),
+            f"{accuracy:.0%} vs {solved / len(pairs):.0%}", f"{kept / solved:.0%} [{low * 100:.0f}–{high * 100:.0f}]",
+        ])  # fmt: skip
+    header = ["method", "family", "ratio", "prompts", f"accuracy vs `{reference}`", f"kept of `{reference}`'s answers"]
+    return _table(header, body)
+
+
+def _retention_section(tasks: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
+    lines = []
+    for mode in _modes(tasks):
+        table = _retention_table([r for r in tasks if str(r.get("mode")) == mode], methods)
+        if table:
+            lines += [f"### Mode `{mode}`", "", *table, ""]
+    if not lines:
+        return []
+    intro = ("Paired on the prompts each method and the reference both ran (all tasks and lengths): `kept` is the "
+             "share of the reference's correct answers the method also gives, with its 95% Wilson interval.")
+    return ["## Share of the full cache's answers kept", "", intro, "", *lines]
+
+
 def _pooled_ppl(rows: list[Row], ppl_key: str, tokens_key: str) -> tuple[float, int] | None:
     """Token-weighted geometric mean of perplexities (= exp of the pooled mean NLL) and token count."""
     usable = [(float(r[ppl_key]), int(r.get(tokens_key) or 1)) for r in rows if r.get(ppl_key) is not None]
@@ -606,6 +653,7 @@ def write_report(results_dir: Path, out_dir: Path, title: str | None = None) -> 
         state = "is empty" if (results_dir / "eval.jsonl").is_file() else "is missing"
         lines += [f"**{results_dir / 'eval.jsonl'} {state}: no accuracy or perplexity results.**", ""]
     lines += _accuracy_section(tasks, methods) if eval_rows else []
+    lines += _retention_section(tasks, methods)
     lines += _ppl_section(ppl_rows, methods)
     lines += _bench_section(bench, methods)
     lines += _plots_section(tasks, bench, methods, out_dir)

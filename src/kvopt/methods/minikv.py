@@ -8,9 +8,9 @@ distributions on a short real text when that layer alone is stored in ``low`` bi
 eviction for MiniKV's full recipe: ``pyramidkv:ratio=0.75+minikv`` (pyramidal layer budgets)
 or ``snapkv:ratio=0.75+minikv``.
 
-Calibration runs once per model when a cache is built (1 + layers forward passes over
-``calibration`` tokens of local prose, the evaluation's real text), and is stored under
-``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters.
+Calibration runs once per model when a cache is built (one prefill of ``calibration`` tokens of
+local prose, the evaluation's real text, then one pass over its last 128 tokens per layer), and
+is stored under ``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters.
 Deviations: MiniKV quantizes every layer to 2 bits and varies the eviction budget by layer;
 its selective flash-attention kernel is not reproduced (scores come from the eviction method).
 """
@@ -89,17 +89,22 @@ class MiniKV(Quantization):
 
 def sensitivities(method: MiniKV, model, ids: torch.Tensor) -> list[float]:
     """Per layer: KL divergence of the next-token distributions on the last tokens of ``ids [1, n]``
-    with only that layer in ``low`` bits, from those of a full cache (sliding layers: -inf)."""
-    from kvopt.cache import build_cache
+    with only that layer in ``low`` bits, from those of a full cache (sliding layers: -inf).
+
+    The context is prefilled once and replayed into each probe cache (methods act after
+    attention, so this equals a prefill per probe); only the scored tokens run per layer.
+    """
+    from kvopt.cache import build_cache, record_prefill
 
     context, scored = ids[:, :-SCORED_TOKENS], ids[:, -SCORED_TOKENS:]
+    recorded, _ = record_prefill(model, context, logits_to_keep=1)
 
     def log_probs(layer_bits: list[int | None]) -> torch.Tensor:
         probe = MiniKV(low=method.low, high=method.high, group=method.group, residual=0)
         probe.layer_bits = layer_bits
         cache = build_cache([probe], model)
+        cache.replay_prefill(recorded)
         with torch.no_grad():
-            model(context, past_key_values=cache)
             return torch.log_softmax(model(scored, past_key_values=cache).logits[0].float(), dim=-1)
 
     layers = model.config.num_hidden_layers
