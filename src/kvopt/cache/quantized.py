@@ -27,6 +27,14 @@ BLOCK_TOKENS = 1024
 KEY_MODES = ("channel", "token")
 
 
+def shared_rows(positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``positions/valid [B, H, T]``, one row for all heads when they hold the same tokens
+    (bookkeeping per token instead of per head and token)."""
+    aligned = bool((positions == positions[:, :1]).all()) and bool((valid == valid[:, :1]).all())
+    rows = slice(0, 1) if aligned else slice(None)
+    return positions[:, rows].clone(), valid[:, rows].clone()
+
+
 def _channel_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """``[B, H, T, D]`` -> ``[B, H, T, D / group, group]`` (per-token groups of channels)."""
     size = min(group, x.shape[-1])
@@ -57,11 +65,7 @@ class QuantizedKV:
         else:
             key_codes = quant.quantize(_channel_groups(keys, group), bits)
         value_codes = quant.quantize(_channel_groups(values, group), bits)
-        aligned = bool((positions == positions[:, :1]).all()) and bool((valid == valid[:, :1]).all())
-        rows = slice(0, 1) if aligned else slice(None)
-        return cls(
-            key_codes, value_codes, positions[:, rows].clone(), valid[:, rows].clone(), group, key_mode, keys.dtype
-        )
+        return cls(key_codes, value_codes, *shared_rows(positions, valid), group, key_mode, keys.dtype)
 
     def __len__(self) -> int:
         return self.positions.shape[-1]

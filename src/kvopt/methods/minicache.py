@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.cache.merged import MergedPair, PlainKV, slerp_merge
-from kvopt.cache.quantized import QuantizedKV
+from kvopt.cache.quantized import QuantizedKV, shared_rows
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method, register, require_ratio
 from kvopt.methods.quantization import BOOKKEEPING_BYTES, dense_bytes, packed_bytes
@@ -131,16 +131,13 @@ class MiniCache(Method):
             torch.stack([store.keys[:, :, :count].gather(2, gather), store.values[:, :, :count].gather(2, gather)])
             for store in (first, second)
         ])  # fmt: skip
-        positions, valid = second.positions[:, :1, :count].clone(), second.valid[:, :1, :count].clone()
-        if not second.heads_aligned:
-            positions, valid = second.positions[:, :, :count].clone(), second.valid[:, :, :count].clone()
+        positions, valid = second.positions[:, :, :count], second.valid[:, :, :count]
         if quantizer is not None:
             direction = QuantizedKV.encode(
-                directions[0], directions[1], second.positions[:, :, :count], second.valid[:, :, :count],
-                quantizer.bits, quantizer.group, quantizer.key_mode,
-            )  # fmt: skip
+                directions[0], directions[1], positions, valid, quantizer.bits, quantizer.group, quantizer.key_mode
+            )
         else:
-            direction = PlainKV(directions[0], directions[1], positions, valid)
+            direction = PlainKV(directions[0], directions[1], *shared_rows(positions, valid))
         stacked = torch.stack(magnitudes, dim=1).to(dtype)  # [2 layers, 2 (K, V), B, H, T]
         return MergedPair(direction, stacked, index.to(torch.int32), originals.to(dtype), dtype)
 
