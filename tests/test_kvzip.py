@@ -30,10 +30,10 @@ def reference_scores(model, tokenizer, context: torch.Tensor, method: KVzip) -> 
     return best
 
 
-def test_kvzip_keeps_what_the_reference_scores_highest(tiny_with_tokenizer):
+def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_tokenizer):
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 150), generator=torch.Generator().manual_seed(1))
-    method = KVzip(ratio=0.6, window=4, sinks=2, chunk=64)
+    method = KVzip(ratio=0.6, window=4, sinks=2, chunk=64, budgets="layer")
     cache = kvopt.cache([method], model)
     cache.prefill(model, context, tokenizer=tokenizer)
     for layer, scores in zip(cache.layers, reference_scores(model, tokenizer, context, method)):
@@ -46,17 +46,49 @@ def test_kvzip_keeps_what_the_reference_scores_highest(tiny_with_tokenizer):
             assert layer.store.positions[0, head].tolist() == expected
 
 
-def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_tokenizer):
+def test_kvzip_global_budgets_rank_all_layers_and_heads_together(tiny_with_tokenizer):
+    """budgets=global: the slow reference ranks every (layer, head, token) score in one list."""
+    model, tokenizer = tiny_with_tokenizer
+    context = torch.randint(100, 5000, (1, 150), generator=torch.Generator().manual_seed(5))
+    method = KVzip(ratio=0.6, window=4, sinks=2, chunk=64)
+    cache = kvopt.cache([method], model)
+    cache.prefill(model, context, tokenizer=tokenizer)
+    scores = reference_scores(model, tokenizer, context, method)
+    keep, window = int(150 * 0.4), 4
+    candidates = []  # (score, layer, head, token) outside the protected window
+    for layer, per_head in enumerate(scores):
+        for head in range(per_head.shape[0]):
+            for token in range(150 - window):
+                score = float("inf") if token < 2 else float(per_head[head, token])
+                candidates.append((score, layer, head, token))
+    candidates.sort(key=lambda c: -c[0])
+    winners = candidates[: (keep - window) * len(scores) * scores[0].shape[0]]
+    for layer, held in enumerate(cache.layers):
+        counts = held.prefix.counts()[0]
+        for head in range(counts.numel()):
+            start = int(held.prefix.offsets[head])
+            kept = held.prefix.positions[start : start + int(counts[head])].tolist()
+            chosen = sorted(t for _, l, h, t in winners if (l, h) == (layer, head))
+            assert kept == chosen + list(range(150 - window, 150))
+    sizes = {int(c) for layer in cache.layers for c in layer.prefix.counts().flatten()}
+    assert len(sizes) > 1  # the point of global budgets: heads and layers keep different amounts
+
+
+@pytest.mark.parametrize("budgets", ["global", "layer"])
+def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_tokenizer, budgets):
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 300), generator=torch.Generator().manual_seed(2))
     full = kvopt.cache("full", model)
-    cache = kvopt.cache("kvzip:ratio=0.75", model)
+    cache = kvopt.cache(f"kvzip:ratio=0.75,budgets={budgets}", model)
     full.prefill(model, context)
     cache.prefill(model, context, tokenizer=tokenizer)
     assert cache.get_seq_length() == 300
+    heads = model.config.num_key_value_heads
+    held = [layer.prefix.counts().sum() if layer.prefix is not None else len(layer.store) * heads for layer in cache.layers]
+    assert int(sum(held)) == 75 * heads * len(cache.layers)
     for layer in cache.layers:
-        assert len(layer.store) == 75 and int(layer.store.positions.max()) < 300
-        assert not layer.store.has_extra("kvzip")
+        positions = layer.prefix.positions if layer.prefix is not None else layer.store.positions
+        assert int(positions.max()) < 300 and not layer.store.has_extra("kvzip")
     assert cache.nbytes() < 0.3 * full.nbytes()
 
 
@@ -67,8 +99,9 @@ def test_kvzip_batch_rows_keep_their_own_budget(tiny_with_tokenizer):
     mask[1, :40] = 0
     cache = kvopt.cache("kvzip:ratio=0.5", model)
     cache.prefill(model, ids, attention_mask=mask, tokenizer=tokenizer)
-    kept = cache.layers[0].kept_per_row().tolist()
-    assert kept == [60, 40]
+    per_row = sum(layer.prefix.counts().sum(dim=1) for layer in cache.layers)  # token-heads per row
+    slots = model.config.num_key_value_heads * len(cache.layers)
+    assert per_row.tolist() == [60 * slots, 40 * slots]
 
 
 def test_kvzip_needs_tokenizer(tiny_with_tokenizer):

@@ -71,8 +71,9 @@ def test_kvzip_replays_then_runs_its_reconstruction(tiny_with_tokenizer):
     replayed = kvopt.cache("kvzip:ratio=0.5,chunk=32", model)
     replayed.replay_prefill(recorded)
     replayed.after_prefill(model, ids, tokenizer=tokenizer)
-    for ours, theirs in zip(replayed.layers, direct.layers):
-        assert torch.equal(ours.store.positions, theirs.store.positions)
+    for ours, theirs in zip(replayed.layers, direct.layers):  # global budgets: ragged per-head segments
+        assert torch.equal(ours.prefix.positions, theirs.prefix.positions)
+        assert torch.equal(ours.prefix.offsets, theirs.prefix.offsets)
 
 
 def test_replay_needs_a_recording_and_an_empty_cache():

@@ -197,7 +197,9 @@ class KVLayer(CacheLayerMixin):
         """
         if self.prefix is not None or self.quantized or self.merged is not None:
             raise CacheUsageError(
-                "scoring passes (kvzip) need dense storage; put kvzip before adakv, kivi or minicache"
+                "kvzip's reconstruction pass needs the prompt dense and in full precision, but this layer already "
+                "holds ragged (adakv), quantized (kivi, mixedkv, minikv, tokenquant) or merged (minicache) tokens; "
+                "kvzip cannot share a cache with those methods yet: use it alone or with other eviction methods"
             )
         from kvopt.methods.scores import attention_probs, grouped_attention_output
 

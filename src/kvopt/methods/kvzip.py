@@ -6,12 +6,17 @@ score every cached token by the largest attention any reconstruction query pays 
 the queries and over the query heads of its GQA group). Tokens needed to reproduce the context
 are the ones any later question may need, so the cache can be compressed before the question
 is known. Reconstruction tokens are attended with and then forgotten (they never stay in the
-cache); per KV head the top tokens are kept, plus ``sinks`` first and ``window`` last tokens.
+cache). ``budgets=global`` (the paper's and kvpress's default) ranks all layers' and KV heads'
+scores together, so layers and heads keep different numbers of tokens (ragged storage, real
+savings) within the same total; ``budgets=layer`` keeps the same share in every layer and head.
+``sinks`` first and ``window`` last tokens are always kept, inside the budget.
 
 Cost: one extra forward over the context (plus a short prompt per chunk) attending to the
-whole cached context, i.e. about 2x the prefill compute of the context alone.
-Deviations: budgets are uniform per layer (kvpress's default shares one ratio across layers);
-chunks after the first restart from the previous chunk's last tokens as in the paper's code.
+whole cached context, about 3-4x the prefill time of the context alone here (BENCHMARKS.md).
+Deviations: chunks after the first restart from the previous chunk's last tokens as in the
+paper's code; scores are attention over the whole context (the paper's code renormalises over
+the chunk being rebuilt); layers that ragged storage cannot serve yet (sliding-window or
+soft-capped attention) keep the per-layer share under ``budgets=global``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.errors import CacheUsageError, MethodParameterError
+from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction, keep_top
 
@@ -41,11 +47,16 @@ class KVzip(Eviction):
     window: int = field(default=8, metadata={"help": "most recent tokens always kept, counted in the budget"})
     sinks: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks)"})
     chunk: int = field(default=512, metadata={"help": "context tokens reconstructed per extra forward"})
+    budgets: str = field(
+        default="global", metadata={"help": "global: one ranking over all layers and KV heads; layer: equal shares"}
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.sinks < 0 or self.chunk < 16:
             raise MethodParameterError(f"kvzip: sinks={self.sinks} must be >= 0 and chunk={self.chunk} >= 16")
+        if self.budgets not in ("global", "layer"):
+            raise MethodParameterError(f"kvzip: budgets={self.budgets!r} must be 'global' or 'layer'")
 
     def after_attention(self, layer, step) -> None:
         """Nothing during the prefill itself: scoring needs the whole context cached first."""
@@ -69,8 +80,14 @@ class KVzip(Eviction):
         finally:
             for layer in cache.layers:
                 layer.scoring = None
+        together = []
+        if self.budgets == "global" and not getattr(model.config, "attn_logit_softcapping", None):
+            together = [layer for layer in cache.layers if layer.sliding_window is None]
         for layer in cache.layers:
-            self._compress(layer)
+            if not any(layer is other for other in together):
+                self._compress(layer)
+        if together:
+            self._compress_together(together)
 
     def _reconstruction_chunks(self, tokenizer, input_ids, attention_mask):
         """(prompt ids, chunk ids, chunk mask) per chunk; later prompts quote the previous chunk's tail."""
@@ -81,10 +98,30 @@ class KVzip(Eviction):
             tail = input_ids[0, max(start - 8, 0) : start].tolist() if start else []
             yield (first if not start else later + tail), input_ids[:, start:stop], attention_mask[:, start:stop]
 
-    def _compress(self, layer) -> None:
+    def _scores(self, layer) -> torch.Tensor:
+        """The layer's reconstruction scores ``[B, H_kv, T]``, sinks raised to +inf; frees the scratch scores."""
         store = layer.store
         scores = store.extra(EXTRA).clone()
         store.drop_extra(EXTRA)  # the scores were only needed for this selection
         rank = torch.cumsum(store.valid.long(), dim=-1)  # 1-based rank among real tokens
         scores[(rank <= self.sinks) & store.valid] = float("inf")
-        keep_top(layer, scores, self.targets(layer, None), self.window)
+        return scores
+
+    def _compress(self, layer) -> None:
+        keep_top(layer, self._scores(layer), self.targets(layer, None), self.window)
+
+    def _compress_together(self, layers: list) -> None:
+        """One ranking over every (layer, KV head): Ada-KV's allocation with the layers' heads side by side.
+
+        Full-attention layers see the same prefill, so they share the token axis and the budget.
+        """
+        heads = layers[0].store.keys.shape[1]
+        targets = self.targets(layers[0], None)
+        for layer in layers[1:]:
+            self.targets(layer, None)  # every layer records its prompt share (later tokens add on top)
+        scores = torch.cat([self._scores(layer).float().expand(-1, heads, -1) for layer in layers], dim=1)
+        selected = allocate(scores, layers[0].store.valid, targets, self.window, alpha=0.0)
+        batch, columns = scores.shape[0], len(layers) * heads
+        for index, layer in enumerate(layers):
+            first = index * heads
+            layer.to_ragged([selected[row * columns + first + head] for row in range(batch) for head in range(heads)])
