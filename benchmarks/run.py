@@ -116,23 +116,27 @@ def main() -> None:
     steps = set(args.steps.split(","))
 
     loaded = load_model()
-    timings = load_timings(args.results)
+
+    def finished(label: str, start: float) -> None:  # saved at once, merged with other runs' steps
+        save_timings(args.results, {label: time.perf_counter() - start})
+
     if "load" in steps:
-        timings["load cold s"], timings["load warm s"] = load_times()
+        cold, warm = load_times()
+        save_timings(args.results, {"load cold s": cold, "load warm s": warm})
     if "bench" in steps:  # lossless speed and bytes vs plain HF at short and medium lengths
         start = time.perf_counter()
         run_bench(
             _ints(args.bench_lengths), args.bench_methods.split(","), args.results, args.new_tokens, args.repeats,
             loaded=loaded,
         )  # fmt: skip
-        timings["bench"] = time.perf_counter() - start
+        finished("bench", start)
     if "speed" in steps:  # every method's decode speed at long context, same run as full and HF
         start = time.perf_counter()
         run_bench(
             [args.speed_length], split_specs(args.speed_methods), args.results, args.new_tokens, args.speed_repeats,
             loaded=loaded,
         )  # fmt: skip
-        timings["speed per method"] = time.perf_counter() - start
+        finished("speed per method", start)
     for mode, step, tasks, methods, samples in (
         (QUERY_AGNOSTIC, "agnostic", args.tasks, agnostic_methods(), args.samples),
         (QUERY_AGNOSTIC, "retention", args.retention_tasks, RETENTION, args.retention_samples),
@@ -145,7 +149,7 @@ def main() -> None:
                 samples=samples, modes=[mode],
             )  # fmt: skip
             run_eval(grid, args.results, loaded=loaded)
-            timings[f"accuracy grid ({step})"] = time.perf_counter() - start
+            finished(f"accuracy grid ({step})", start)
     for step, label, methods, tokens in (
         ("ppl", "perplexity", args.ppl_methods, args.ppl_tokens),
         ("quant-ppl", "perplexity (quantization)", args.quant_ppl_methods, args.quant_ppl_tokens),
@@ -156,20 +160,19 @@ def main() -> None:
                 tasks=["ppl"], lengths=[], methods=split_specs(methods), ppl_tokens=tokens, ppl_chunk=args.ppl_chunk
             )
             run_eval(ppl, args.results, loaded=loaded)
-            timings[label] = time.perf_counter() - start
+            finished(label, start)
     if "check" in steps:
         start = time.perf_counter()
         memory_check(loaded, MEMORY_CHECK, args.speed_length, args.results)
-        timings["measured vs theoretical bytes"] = time.perf_counter() - start
+        finished("measured vs theoretical bytes", start)
     if "memory" in steps:
         start = time.perf_counter()
         decode_memory(
             _ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens,
             args.results,
         )  # fmt: skip
-        timings["decode speed and memory"] = time.perf_counter() - start
-    save_timings(args.results, timings)
-    compose(args, timings)
+        finished("decode speed and memory", start)
+    compose(args, load_timings(args.results))
 
 
 CHECK_FILE = "memory_check.jsonl"
@@ -315,8 +318,10 @@ def load_timings(results: Path) -> dict[str, float]:
 
 
 def save_timings(results: Path, timings: dict[str, float]) -> None:
+    """Merge this run's step timings into the file (runs of other steps may have saved meanwhile)."""
     results.mkdir(parents=True, exist_ok=True)
-    (results / "timings.json").write_text(json.dumps(timings, indent=1))
+    merged = {**load_timings(results), **timings}
+    (results / "timings.json").write_text(json.dumps(merged, indent=1))
 
 
 def compose(args, timings: dict[str, float]) -> None:

@@ -123,7 +123,7 @@ def test_kivi_holds_the_bytes_its_layout_predicts_and_fewer_with_fewer_bits():
         heads, dim = config.num_key_value_heads, config.head_dim
         codes = 2 * quantized * heads * dim * bits // 8
         params = quantized * heads * dim // 32 * 2 * 2 + quantized * heads * math.ceil(dim / min(32, dim)) * 2 * 2
-        assert layer.quantized[0].nbytes() == codes + params + quantized * (4 + 1)  # + one shared position row
+        assert layer.quantized[0].nbytes() == codes + params  # positions are a run: no bytes per token
         held[bits] = cache.nbytes()
     assert held[2] < held[4] < held[8] < full.nbytes()
 
@@ -234,4 +234,5 @@ def test_tokenquant_quantizes_each_token_on_its_own():
     original = direct.layers[0].store.keys[:, :, : len(part)]
     expected = reference_quantize(original, 4, 16)
     assert (keys - expected).abs().max().item() <= 1e-5
-    assert part.keys.codes.shape[2] == len(part)  # per token, not per channel group of tokens
+    scale = part.keys.scale
+    assert scale.shape[2] * scale.shape[3] == len(part)  # a scale per token (and channel group), not per token group

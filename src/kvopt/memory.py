@@ -59,8 +59,10 @@ def estimate(
         layer = kept * per_layer_token_bytes
         if window is None:  # sliding layers stay in full precision
             for position, method in enumerate(methods or []):
-                per_head = any(m.selects_per_head for m in (methods or [])[:position])
-                context = LayerContext(index, tuple(methods or []), per_head)
+                earlier = (methods or [])[:position]
+                per_head = any(m.selects_per_head for m in earlier)
+                evicted = any(m.kept_tokens(seq_len) < seq_len for m in earlier)
+                context = LayerContext(index, tuple(methods or []), per_head, evicted)
                 stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype), context)
                 layer = stored if stored is not None else layer
         total += layer * batch

@@ -121,7 +121,7 @@ def attend(
         # are never read, so let them attend everywhere.
         mask = mask | ~mask.any(dim=-1, keepdim=True)
     if softcap is not None:
-        output, _ = eager_attention(query, keys, values, mask, scaling, softcap)
+        output, _ = _explicit_attention_with_lse(query, keys, values, mask, scaling, softcap)
         return output.to(query.dtype).transpose(1, 2).contiguous()
     return _sdpa_gqa(query, keys, values, mask, False, scaling)
 
@@ -177,34 +177,40 @@ def _sdpa_gqa(query, keys, values, mask, is_causal, scaling) -> torch.Tensor:
     return output.transpose(1, 2).contiguous()
 
 
-def eager_attention(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit fp32 softmax attention, ``(output [B, H, q, D], log-sum-exp [B, H, q])``.
+def attention_with_lse(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output [B, H, q, D], lse [B, H, q])`` in fp32, each GQA group folded into the query axis (no KV copies).
 
-    For what SDPA cannot express: logit soft-capping (Gemma 2), and the log-sum-exp needed to
-    merge attention over separately stored key sets (ragged prefix + dense suffix).
+    ``query [B, H, q, D]``, ``keys/values [B, H_kv, T, D]``, ``mask [B, 1 or H_kv, q, T]`` or None.
+    The log-sum-exp lets attention over separately stored key sets (ragged, quantized blocks,
+    merged layers, the dense residual) merge exactly (:func:`merge_with_lse`). On CPU this is
+    PyTorch's flash-attention kernel, which returns it (about twice as fast as an explicit
+    softmax at 1k keys); soft-capped logits (Gemma 2) and other devices take the explicit path.
     """
-    groups = query.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(groups, dim=1).float()
-    values = values.repeat_interleave(groups, dim=1).float()
-    if mask is not None and mask.shape[1] > 1:
-        mask = mask.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None or query.device.type != "cpu" or _CPU_FLASH is None:
+        return _explicit_attention_with_lse(query, keys, values, mask, scaling, softcap)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = query.float().reshape(batch, kv_heads, group * q_len, dim)
+    bias = None
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    return torch.matmul(weights, values), lse
+        mask = _fold_mask(mask, group)
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    scale = scaling if scaling is not None else dim**-0.5
+    output, lse = _CPU_FLASH(folded, keys.float(), values.float(), attn_mask=bias, scale=scale)[:2]
+    if mask is not None:  # the kernel reports lse 0 for a query that sees no key: make it weigh nothing
+        lse = lse.masked_fill(~mask.any(dim=-1).expand_as(lse), float("-inf"))
+    return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
 
 
-def grouped_eager_attention(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like :func:`eager_attention` but folds each GQA group into the query axis (no KV copies).
+def _fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, h, q, T]`` -> ``[B, h, group * q, T]``, matching the folded query axis."""
+    batch, heads, q_len, keys = mask.shape
+    return mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, heads, group * q_len, keys)
 
-    ``query [B, H, q, D]``, ``keys/values [B, H_kv, T, D]``, ``mask [B, 1 or H_kv, q, T]`` or None;
-    returns ``(output [B, H, q, D], lse [B, H, q])`` in fp32.
-    """
+
+def _explicit_attention_with_lse(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse` as an explicit fp32 softmax (soft-capping, non-CPU devices, reference)."""
     batch, heads, q_len, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -214,8 +220,7 @@ def grouped_eager_attention(query, keys, values, mask, scaling, softcap=None) ->
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, -1)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~_fold_mask(mask, group), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     output = torch.matmul(weights, values.float())
@@ -240,6 +245,8 @@ def kvopt_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> to
 
 
 FOLD_SINGLE_QUERIES = _hf_folds_single_queries()
+#: PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp (a private op: absent -> explicit softmax).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def register() -> None:

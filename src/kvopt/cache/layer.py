@@ -227,7 +227,7 @@ class KVLayer(CacheLayerMixin):
         if self.merged is not None:
             parts.append(self.merged.attend(self.pair_role, query, positions, scale, softcap))
         mask = attention.visibility(key_positions, key_valid, positions)
-        parts.append(attention.grouped_eager_attention(query, keys, self.store.values, mask, scale, softcap))
+        parts.append(attention.attention_with_lse(query, keys, self.store.values, mask, scale, softcap))
         return attention.merge_with_lse(parts)[0].to(query.dtype).transpose(1, 2).contiguous()
 
     def quantize_oldest(self, bits: int, group: int, residual: int, key_mode: str = "channel") -> None:
@@ -268,7 +268,7 @@ class KVLayer(CacheLayerMixin):
         for part in self.quantized:
             kept = kept + part.valid_counts()
         if self.merged is not None:
-            kept = kept + self.merged.valid[:, 0].sum(dim=-1)
+            kept = kept + self.merged.index.valid_counts()
         if self.prefix is not None:
             prefix = self.prefix.counts()[:, 0]
             kept = prefix if kept.numel() == 0 else kept + prefix

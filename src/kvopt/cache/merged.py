@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.cache.attention import grouped_eager_attention, visibility
+from kvopt.cache.attention import attention_with_lse, visibility
+from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 
 
@@ -24,11 +25,10 @@ class PlainKV:
 
     keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
+    index: TokenIndex
 
     def __len__(self) -> int:
-        return self.positions.shape[-1]
+        return self.index.length
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
@@ -36,11 +36,10 @@ class PlainKV:
     def extend(self, other: PlainKV) -> None:
         self.keys = torch.cat([self.keys, other.keys], 2)
         self.values = torch.cat([self.values, other.values], 2)
-        self.positions = torch.cat([self.positions, other.positions], -1)
-        self.valid = torch.cat([self.valid, other.valid], -1)
+        self.index = self.index.cat(other.index)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.valid))
+        return self.keys.numel() * self.keys.element_size() * 2 + self.index.nbytes()
 
 
 def slerp_merge(first: torch.Tensor, second: torch.Tensor, t: float) -> tuple[torch.Tensor, ...]:
@@ -75,12 +74,8 @@ class MergedPair:
         return len(self.direction)
 
     @property
-    def positions(self) -> torch.Tensor:
-        return self.direction.positions
-
-    @property
-    def valid(self) -> torch.Tensor:
-        return self.direction.valid
+    def index(self) -> TokenIndex:
+        return self.direction.index
 
     def extend(self, other: MergedPair) -> None:
         offset = len(self)
@@ -105,6 +100,5 @@ class MergedPair:
 
     def attend(self, role: int, query, query_positions, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.layer_kv(role)
-        valid = None if bool(self.valid.all()) else self.valid
-        mask = visibility(self.positions, valid, query_positions)
-        return grouped_eager_attention(query, keys, values, mask, scaling, softcap)
+        mask = visibility(*self.index.span(0, len(self)), query_positions)
+        return attention_with_lse(query, keys, values, mask, scaling, softcap)

@@ -5,9 +5,10 @@ of ``G`` elements along axis ``dim``, ``zero = min`` and ``scale = (max - min) /
 codes ``q = clamp(round((x - zero) / scale), 0, 2^b - 1)`` and ``x^ = q * scale + zero``. Scales
 and zero-points are kept in fp16 and the codes are computed against the *stored* fp16 values,
 so the round-trip error stays within half a step. Codes of ``b`` bits are packed ``8 / b`` per
-byte (uint8) along the group axis, *planar*: byte ``j`` holds elements ``j, j + G/k, ...``
-(``k = 8 / b``), so unpacking is ``k`` shift-and-mask passes concatenated, with no interleaving
-(several times faster on CPU than an interleaved layout). Groups are whole tensors slices, so a
+byte (uint8) along a packing axis (the group axis unless told otherwise), *planar*: byte ``j``
+holds elements ``j, j + n, ...`` (``n`` = packed length), so unpacking is one broadcast
+shift and mask with no interleaving (several times faster on CPU than an interleaved layout).
+Groups are whole tensors slices, so a
 range of groups can be dequantized on its own. This module is the kernel boundary: a GPU
 kernel can replace :func:`quantize` / :func:`dequantize` without touching the stores.
 """
@@ -38,18 +39,32 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return packed
 
 
-def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Inverse of :func:`pack` along ``dim``: ``uint8`` codes, ``8 / bits`` times longer on ``dim``."""
+def unpack(packed: torch.Tensor, bits: int, dim: int = -1, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of :func:`pack` along ``dim``: the codes as ``dtype``, ``8 / bits`` times longer on ``dim``.
+
+    All fields at once: one broadcast shift puts field ``i`` of every byte on a new axis just
+    before ``dim`` (planar order), one mask clears the neighbours' bits, one copy converts.
+    Shifting and masking run on ``int32`` words, four bytes at a time, where the strides allow.
+    """
     if bits == 8:
-        return packed
-    mask = (1 << bits) - 1
-    fields = [packed & mask if not shift else (packed >> shift) & mask for shift in range(0, 8, bits)]
-    return torch.cat(fields, dim=dim)
+        return packed.to(dtype)
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    dim = dim % packed.ndim
+    try:
+        source, field_mask = packed.view(torch.int32), mask * 0x01010101
+    except RuntimeError:  # the byte layout does not fall into whole words
+        source, field_mask = packed, mask
+    shifts = torch.arange(0, 8, bits, dtype=source.dtype, device=packed.device)
+    fields = source.unsqueeze(dim) >> shifts.view(-1, *[1] * (packed.ndim - dim))
+    fields &= field_mask
+    shape = list(packed.shape)
+    shape[dim] *= per_byte
+    return fields.view(torch.uint8).reshape(shape).to(dtype)
 
 
 @dataclass
 class QuantizedGroups:
-    """Packed codes (group axis ``dim`` shortened ``8 / bits`` times) with fp16 ``scale``/``zero``
+    """Packed codes (packing axis ``dim`` shortened ``8 / bits`` times) with fp16 ``scale``/``zero``
     (group axis of size 1), one scale and zero-point per group."""
 
     codes: torch.Tensor
@@ -73,11 +88,15 @@ class QuantizedGroups:
         return QuantizedGroups(*joined, first.bits, first.dim)
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int = -1, ignore: torch.Tensor | None = None) -> QuantizedGroups:
+def quantize(
+    x: torch.Tensor, bits: int, dim: int = -1, ignore: torch.Tensor | None = None, pack_dim: int | None = None,
+) -> QuantizedGroups:  # fmt: skip
     """Quantize ``x`` with one group per slice along ``dim`` (e.g. ``[..., groups, G]`` with ``dim=-1``).
 
-    ``ignore`` (bool, broadcastable to ``x``) marks elements left out of the min/max (padding);
-    they are still encoded, clamped into their group's range.
+    Codes are packed along ``pack_dim`` (default ``dim``); packing along an outer axis makes
+    unpacking copy long contiguous runs. ``ignore`` (bool, broadcastable to ``x``) marks
+    elements left out of the min/max (padding); they are still encoded, clamped into their
+    group's range.
     """
     if bits not in BITS:
         raise ValueError(f"bits={bits} is not supported; use one of {BITS}")
@@ -95,10 +114,11 @@ def quantize(x: torch.Tensor, bits: int, dim: int = -1, ignore: torch.Tensor | N
     scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(PARAM_DTYPE)
     zero = low.to(PARAM_DTYPE)
     codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels)
-    return QuantizedGroups(pack(codes, bits, dim), scale, zero, bits, dim)
+    pack_dim = dim if pack_dim is None else pack_dim
+    return QuantizedGroups(pack(codes, bits, pack_dim), scale, zero, bits, pack_dim)
 
 
 def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x^ = code * scale + zero`` in ``dtype``, the shape ``x`` had."""
-    codes = unpack(q.codes, q.bits, q.dim).to(torch.float32)
-    return (codes * q.scale.float() + q.zero.float()).to(dtype)
+    codes = unpack(q.codes, q.bits, q.dim, torch.float32)
+    return codes.mul_(q.scale.float()).add_(q.zero.float()).to(dtype)

@@ -3,7 +3,10 @@
 Every stored token carries its *sequence index* (its column in the 2-D attention mask, i.e.
 how many tokens of its row came before it, padding included) and a validity bit (False for
 left padding). Attention masks are computed from these, never from slot order, so methods
-may drop any tokens, head by head, and the survivors still attend correctly.
+may drop any tokens, head by head, and the survivors still attend correctly. While the live
+tokens are a run of consecutive indices (nothing evicted out of order) the indices are
+implied by the first one and no tensor holds them; likewise validity while nothing is
+padding. Both become tensors the moment they carry information.
 
 All per-token tensors share one layout, the token axis being axis 2: keys and values
 ``[batch, kv_heads, tokens, dim]``, positions and validity ``[batch, kv_heads, tokens]``, and
@@ -23,13 +26,15 @@ TOKEN_AXIS = 2
 
 
 def slack_tokens(tokens: int) -> int:
-    """Free slots to keep beyond ``tokens``: ~3% of the live size, 2 to 64 tokens.
+    """Free slots to keep beyond ``tokens``: none below 256 tokens, then ~3% of the live size, at most 64.
 
     Growing by a few percent keeps reallocation copies cheap (amortised O(1) per decoded token
     relative to the attention read) while the bytes held stay within a few percent of the live
-    tokens; ``nbytes`` reports them all.
+    tokens; a store under 256 tokens (a short prompt, a quantizer's residual) is copied whole
+    at each growth instead, which costs less than idle slots would hold. ``nbytes`` reports
+    every slot.
     """
-    return max(2, min(64, tokens // 32))
+    return 0 if tokens < 256 else min(64, tokens // 32)
 
 
 class DenseKVStore:
@@ -39,6 +44,8 @@ class DenseKVStore:
         self._buffers: dict[str, torch.Tensor] = {}
         self.start = 0
         self.end = 0
+        #: Sequence index of the oldest live token while positions are implied (no "positions" buffer).
+        self.first_position: int | None = 0
         #: True while every live token is valid (no padding); lets attention skip masks.
         self.all_valid = True
         #: True while all KV heads hold the same tokens (no per-head eviction); masks then broadcast over heads.
@@ -65,13 +72,25 @@ class DenseKVStore:
 
     @property
     def positions(self) -> torch.Tensor:
-        """Sequence index of each stored token, ``[batch, kv_heads, tokens]`` (int32)."""
-        return self._live("positions")
+        """Sequence index of each stored token, ``[batch, kv_heads, tokens]`` (int32; read-only)."""
+        if self.first_position is None:
+            return self._live("positions")
+        run = torch.arange(self.first_position, self.first_position + len(self), dtype=torch.int32, device=self.device)
+        return run.expand(*self._token_shape(), -1)
 
     @property
     def valid(self) -> torch.Tensor:
-        """False where a stored slot holds padding, ``[batch, kv_heads, tokens]``."""
+        """False where a stored slot holds padding, ``[batch, kv_heads, tokens]`` (read-only)."""
+        if "valid" not in self._buffers:
+            return torch.ones((), dtype=torch.bool, device=self.device).expand(*self._token_shape(), len(self))
         return self._live("valid")
+
+    @property
+    def device(self) -> torch.device:
+        return self._buffers["keys"].device
+
+    def _token_shape(self) -> tuple[int, int]:
+        return tuple(self._buffers["keys"].shape[:2])
 
     def extra(self, name: str) -> torch.Tensor:
         """A method's per-token tensor (live view, writable in place), ``[batch, kv_heads, tokens]``."""
@@ -82,8 +101,8 @@ class DenseKVStore:
 
     def add_extra(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Start tracking a per-token tensor (zeros); it moves with the tokens from now on."""
-        like = self._buffers["positions"]
-        self._buffers[f"extra:{name}"] = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        like = self._buffers["keys"]
+        self._buffers[f"extra:{name}"] = torch.zeros(like.shape[:3], dtype=dtype, device=like.device)
         return self.extra(name)
 
     def drop_extra(self, name: str) -> None:
@@ -107,14 +126,20 @@ class DenseKVStore:
         buffers = self._buffers
         buffers["keys"][:, :, self.end : end] = keys
         buffers["values"][:, :, self.end : end] = values
-        buffers["positions"][:, :, self.end : end] = torch.arange(
-            first_position, first_position + new, dtype=torch.int32, device=keys.device
-        )
-        if valid is None:
-            buffers["valid"][:, :, self.end : end] = True
-        else:
-            buffers["valid"][:, :, self.end : end] = valid[:, None, :]
-            self.all_valid = self.all_valid and bool(valid.all())
+        if "positions" not in buffers:
+            if not len(self):
+                self.first_position = first_position  # a new run
+            elif first_position != self.first_position + len(self):
+                self._materialize("positions")
+        if "positions" in buffers:
+            buffers["positions"][:, :, self.end : end] = torch.arange(
+                first_position, first_position + new, dtype=torch.int32, device=keys.device
+            )
+        if valid is not None and not bool(valid.all()):
+            self._materialize("valid")
+            self.all_valid = False
+        if "valid" in buffers:
+            buffers["valid"][:, :, self.end : end] = True if valid is None else valid[:, None, :]
         for name, buffer in buffers.items():
             if name.startswith("extra:"):
                 buffer[:, :, self.end : end] = 0
@@ -122,6 +147,8 @@ class DenseKVStore:
 
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest live slots (O(1); memory is reclaimed at the next compaction)."""
+        if self.first_position is not None:
+            self.first_position += min(count, len(self))
         self.start = min(self.start + count, self.end)
         if not self.all_valid:
             self.all_valid = bool(self.valid.all())
@@ -140,6 +167,7 @@ class DenseKVStore:
         elif heads > 1:
             self.heads_aligned = self.heads_aligned and bool((indices == indices[:, :1]).all())
         kept = indices.shape[-1]
+        self._materialize("positions")  # the survivors need not be a run
         gathered = {}
         for name in self._buffers:
             live = self._live(name)
@@ -162,7 +190,7 @@ class DenseKVStore:
         copy = DenseKVStore()
         if not self.is_empty:
             copy._install({name: self._live(name) for name in self._buffers}, len(self))
-        copy.all_valid, copy.heads_aligned = self.all_valid, self.heads_aligned
+        copy.all_valid, copy.heads_aligned, copy.first_position = self.all_valid, self.heads_aligned, self.first_position
         return copy
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -170,6 +198,17 @@ class DenseKVStore:
         if self.is_empty:
             return
         self._install({name: self._live(name)[index] for name in self._buffers}, len(self))
+
+    def _materialize(self, name: str) -> None:
+        """Give positions or validity a buffer (holding the values they had implicitly), from now on."""
+        if name in self._buffers or self.is_empty:
+            return
+        dtype = torch.int32 if name == "positions" else torch.bool
+        buffer = torch.empty(self._buffers["keys"].shape[:3], dtype=dtype, device=self.device)
+        buffer[:, :, self.start : self.end] = getattr(self, name)
+        self._buffers[name] = buffer
+        if name == "positions":
+            self.first_position = None
 
     @property
     def capacity(self) -> int:
@@ -182,8 +221,6 @@ class DenseKVStore:
             self._buffers = {
                 "keys": keys.new_empty(batch, heads, capacity, keys.shape[-1]),
                 "values": values.new_empty(batch, heads, capacity, values.shape[-1]),
-                "positions": torch.empty(batch, heads, capacity, dtype=torch.int32, device=keys.device),
-                "valid": torch.empty(batch, heads, capacity, dtype=torch.bool, device=keys.device),
             }
             return
         if self.end + new <= self.capacity:

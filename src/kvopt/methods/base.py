@@ -29,6 +29,8 @@ class LayerContext:
     methods: tuple
     #: Whether an earlier method chose tokens per KV head (positions are then stored per head).
     per_head: bool
+    #: Whether an earlier method dropped tokens (positions are then no longer a run: stored per token).
+    evicted: bool = False
 
 
 @dataclass

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.cache.merged import MergedPair, PlainKV, slerp_merge
-from kvopt.cache.quantized import QuantizedKV, shared_rows
+from kvopt.cache.positions import TokenIndex
+from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method, register, require_ratio
-from kvopt.methods.quantization import BOOKKEEPING_BYTES, dense_bytes, packed_bytes
+from kvopt.methods.quantization import dense_bytes, packed_bytes, position_bytes
 
 
 @register
@@ -83,13 +84,15 @@ class MiniCache(Method):
         merged = kept_tokens // quantizer.group * quantizer.group if quantizer is not None else kept_tokens
         aligned = not layer.per_head
         if quantizer is not None:
-            directions = packed_bytes(merged, heads, dim, quantizer.bits, quantizer.group, quantizer.key_mode, aligned)
+            directions = packed_bytes(merged, heads, dim, quantizer.bits, quantizer.group, quantizer.key_mode)
         else:
-            directions = merged * (heads * 2 * dim * element_bytes + BOOKKEEPING_BYTES * (1 if aligned else heads))
+            directions = merged * heads * 2 * dim * element_bytes
+        if layer.evicted:
+            directions += position_bytes(merged, 1 if aligned else heads)
         retained = math.ceil(self.retain * merged)
         pair = directions + heads * (4 * merged * element_bytes + retained * (4 * dim * element_bytes + 4))
         share = pair // 2 + (pair % 2 if self.roles[layer.index] == 0 else 0)
-        return share + dense_bytes(kept_tokens - merged, heads, dim, element_bytes)
+        return share + dense_bytes(kept_tokens - merged, heads, dim, element_bytes, layer.evicted)
 
     def after_attention(self, layer, step) -> None:
         role = self.roles.get(layer.index)
@@ -137,7 +140,7 @@ class MiniCache(Method):
                 directions[0], directions[1], positions, valid, quantizer.bits, quantizer.group, quantizer.key_mode
             )
         else:
-            direction = PlainKV(directions[0], directions[1], *shared_rows(positions, valid))
+            direction = PlainKV(directions[0], directions[1], TokenIndex.of(positions, valid))
         stacked = torch.stack(magnitudes, dim=1).to(dtype)  # [2 layers, 2 (K, V), B, H, T]
         return MergedPair(direction, stacked, index.to(torch.int32), originals.to(dtype), dtype)
 

@@ -15,8 +15,9 @@ from kvopt.cache.quant import BITS
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method
 
-#: int32 position + validity byte stored per quantized token (per KV head unless heads are aligned).
-BOOKKEEPING_BYTES = 5
+#: int32 position stored per token once eviction leaves the positions irregular (per KV head for the
+#: dense store and after head-wise eviction); a run of consecutive positions is held as its start.
+POSITION_BYTES = 4
 
 
 @dataclass
@@ -58,24 +59,31 @@ class Quantization(Method):
         heads, dim = model.num_kv_heads, model.head_dim
         quantized = kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
         aligned = self.heads_aligned and not layer.per_head
+        # Positions are a run unless earlier eviction made them irregular or classes split the run.
+        irregular = layer.evicted or len(self.bit_classes(quantized, layer.index)) > 1 or not self.heads_aligned
         packed = sum(
-            packed_bytes(tokens, heads, dim, bits, self.group, self.key_mode, aligned)
+            packed_bytes(tokens, heads, dim, bits, self.group, self.key_mode)
+            + (position_bytes(tokens, 1 if aligned else heads) if irregular else 0)
             for bits, tokens in self.bit_classes(quantized, layer.index)
         )
-        return dense_bytes(kept_tokens - quantized, heads, dim, element_bytes) + packed
+        return dense_bytes(kept_tokens - quantized, heads, dim, element_bytes, layer.evicted) + packed
 
 
-def dense_bytes(tokens: int, heads: int, dim: int, element_bytes: int) -> int:
-    """Full-precision keys and values of ``tokens`` tokens, with a position and validity byte per head."""
-    return tokens * heads * (2 * dim * element_bytes + BOOKKEEPING_BYTES)
+def position_bytes(tokens: int, rows: int) -> int:
+    """Explicit int32 positions of ``tokens`` tokens, ``rows`` rows (1 for aligned heads, else one per head)."""
+    return tokens * rows * POSITION_BYTES
 
 
-def packed_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, key_mode: str, aligned: bool) -> int:
+def dense_bytes(tokens: int, heads: int, dim: int, element_bytes: int, evicted: bool = False) -> int:
+    """Full-precision keys and values of ``tokens`` tokens (with per-head positions after eviction)."""
+    return tokens * heads * 2 * dim * element_bytes + (position_bytes(tokens, heads) if evicted else 0)
+
+
+def packed_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, key_mode: str) -> int:
     """Quantized keys and values of ``tokens`` tokens: packed codes, fp16 scale and zero per key group
     (per channel over ``group`` tokens, or per token) and per value group (per token, ``group``
-    channels), plus a position and validity byte per token (per head unless heads are aligned)."""
+    channels)."""
     per_token_groups = dim // min(group, dim) * 4
     key_params = dim * 4 / group if key_mode == "channel" else per_token_groups
     codes = 2 * heads * dim * bits // 8
-    bookkeeping = BOOKKEEPING_BYTES * (1 if aligned else heads)
-    return int(tokens * (codes + heads * (key_params + per_token_groups) + bookkeeping))
+    return int(tokens * (codes + heads * (key_params + per_token_groups)))
