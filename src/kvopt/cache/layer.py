@@ -147,7 +147,7 @@ class KVLayer(CacheLayerMixin):
         batch, new = key.shape[0], key.shape[-2]
         valid = padding[:, -new:] if padding is not None else None
         self.store.append(key, value, self.seen, valid)
-        positions = self.store.positions[0, 0, -new:]
+        positions = torch.arange(self.seen, self.seen + new, dtype=torch.int32, device=key.device)  # as stored
         is_prefill = self.seen == 0
         self.seen += new
         self.seen_real += batch * new if valid is None else int(valid.sum())

@@ -15,6 +15,7 @@ kernel can replace :func:`quantize` / :func:`dequantize` without touching the st
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +55,17 @@ def unpack(packed: torch.Tensor, bits: int, dim: int = -1, dtype: torch.dtype = 
         source, field_mask = packed.view(torch.int32), mask * 0x01010101
     except RuntimeError:  # the byte layout does not fall into whole words
         source, field_mask = packed, mask
-    shifts = torch.arange(0, 8, bits, dtype=source.dtype, device=packed.device)
-    fields = source.unsqueeze(dim) >> shifts.view(-1, *[1] * (packed.ndim - dim))
+    fields = source.unsqueeze(dim) >> _shifts(bits, source.dtype, packed.device).view(-1, *[1] * (packed.ndim - dim))
     fields &= field_mask
     shape = list(packed.shape)
     shape[dim] *= per_byte
     return fields.view(torch.uint8).reshape(shape).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``0, bits, 2 * bits, ...``: the shift of each field in a byte (made once per setting)."""
+    return torch.arange(0, 8, bits, dtype=dtype, device=device)
 
 
 @dataclass
@@ -121,4 +127,4 @@ def quantize(
 def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x^ = code * scale + zero`` in ``dtype``, the shape ``x`` had."""
     codes = unpack(q.codes, q.bits, q.dim, torch.float32)
-    return codes.mul_(q.scale.float()).add_(q.zero.float()).to(dtype)
+    return codes.mul_(q.scale).add_(q.zero).to(dtype)  # fp16 parameters promote in place, no copies

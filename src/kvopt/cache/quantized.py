@@ -112,9 +112,11 @@ class QuantizedKV:
         """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, block by block."""
         parts = []
         step = max(BLOCK_TOKENS // self.group, 1) * self.group
+        # One query sees every stored real token: no positions needed (they are older than it).
+        sees_all = query_positions.numel() == 1 and self.index.valid is None
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
             keys, values = self.dequantize(start, stop)
-            mask = visibility(*self.index.span(start, stop), query_positions)
+            mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)

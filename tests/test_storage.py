@@ -1,0 +1,79 @@
+"""Storage details under every method: attention with log-sum-exp, implied positions, exact bytes."""
+
+import pytest
+import torch
+from conftest import random_batch
+from transformers import DynamicCache
+
+import kvopt
+from kvopt.cache import attention, quant
+from kvopt.cache.positions import TokenIndex
+from tiny_models import VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("mask_heads", [None, 1, 2])
+def test_attention_with_lse_equals_the_explicit_softmax_even_for_queries_that_see_nothing(mask_heads):
+    gen = torch.Generator().manual_seed(0)
+    query, keys, values = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+    mask = None
+    if mask_heads is not None:
+        mask = torch.rand(2, mask_heads, 3, 40, generator=gen) > 0.4
+        mask[0, 0, 1] = False  # a query row with no visible key: it must weigh nothing when merged
+    fast = attention.attention_with_lse(query, keys, values, mask, 0.25)
+    slow = attention._explicit_attention_with_lse(query, keys, values, mask, 0.25)
+    assert torch.allclose(fast[0], slow[0], atol=1e-5) and torch.equal(fast[1].isinf(), slow[1].isinf())
+    finite = slow[1].isfinite()
+    assert torch.allclose(fast[1][finite], slow[1][finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpacking_round_trips_when_bytes_do_not_fall_into_words(bits):
+    codes = torch.randint(0, 1 << bits, (3, 8, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = quant.pack(codes, bits, dim=1)  # last axis of 6 bytes: no int32 view
+    assert torch.equal(quant.unpack(packed, bits, dim=1), codes)
+    assert torch.equal(quant.unpack(packed[:, :, 1:5], bits, dim=1), codes[:, :, 1:5])
+
+
+def test_token_index_holds_runs_without_bytes_and_keeps_irregular_positions():
+    run = torch.arange(10, 20, dtype=torch.int32).expand(2, 3, -1)
+    index = TokenIndex.of(run, None)
+    assert index.nbytes() == 0 and torch.equal(index.positions.expand(2, 3, -1), run)
+    following = TokenIndex.of(torch.arange(20, 25, dtype=torch.int32).expand(2, 3, -1), None)
+    joined = index.cat(following)
+    assert joined.nbytes() == 0 and joined.length == 15 and int(joined.positions[0, 0, -1]) == 24
+    gap = index.cat(TokenIndex.of(torch.arange(30, 35, dtype=torch.int32).expand(2, 3, -1), None))
+    assert gap.nbytes() == 15 * 2 * 4 and int(gap.positions[1, 0, 10]) == 30
+    padded = torch.ones(2, 3, 10, dtype=torch.bool)
+    padded[1, :, :2] = False
+    kept = TokenIndex.of(run, padded)
+    assert kept.valid is not None and kept.valid_counts().tolist() == [10, 8]
+
+
+def test_full_holds_exactly_hf_bytes_and_eviction_adds_only_positions():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 40))
+    hf = DynamicCache(config=model.config)
+    full = kvopt.cache("full", model)
+    with torch.no_grad():
+        model(ids, past_key_values=hf)
+        model(ids, past_key_values=full)
+    hf_bytes = sum(t.numel() * t.element_size() for layer in hf.layers for t in (layer.keys, layer.values))
+    assert full.nbytes() == hf_bytes  # under 256 tokens: no slack, and the positions are a run
+    evicted = kvopt.cache("snapkv:budget=20,window=4", model)
+    with torch.no_grad():
+        model(ids, past_key_values=evicted)
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    per_layer = 20 * heads * (2 * dim * 4 + 4)  # K, V in fp32 and an int32 position per KV head
+    assert evicted.nbytes() == per_layer * config.num_hidden_layers
+
+
+def test_padding_materializes_validity_and_keeps_outputs_exact(model_pair):
+    ids, mask = random_batch([9, 5])
+    reference, ours = model_pair
+    expected = reference(ids, attention_mask=mask, past_key_values=DynamicCache(config=reference.config)).logits
+    cache = kvopt.cache("full", ours)
+    got = ours(ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    assert (expected - got)[real].abs().max() <= 1e-5
+    assert cache.layers[0].store.valid[1, 0].sum() == 5
