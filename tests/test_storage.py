@@ -14,7 +14,8 @@ from tiny_models import VOCAB, tiny_model
 @pytest.mark.parametrize("mask_heads", [None, 1, 2])
 def test_attention_with_lse_equals_the_explicit_softmax_even_for_queries_that_see_nothing(mask_heads):
     gen = torch.Generator().manual_seed(0)
-    query, keys, values = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+    query = torch.randn(2, 4, 3, 16, generator=gen)
+    keys, values = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
     mask = None
     if mask_heads is not None:
         mask = torch.rand(2, mask_heads, 3, 40, generator=gen) > 0.4

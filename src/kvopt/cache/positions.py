@@ -43,7 +43,7 @@ class TokenIndex:
             if torch.equal(positions, run.expand_as(positions)):
                 return cls(length, batch, positions.device, start=start)
         kept_valid = None if all_valid else valid[:, rows].clone()
-        return cls(length, batch, positions.device, explicit_positions=positions.to(torch.int32).clone(), explicit_valid=kept_valid)
+        return cls(length, batch, positions.device, None, positions.to(torch.int32).clone(), kept_valid)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -77,11 +77,17 @@ class TokenIndex:
             return TokenIndex(self.length + other.length, self.batch, self.device, start=self.start)
         heads = max(self.positions.shape[1], other.positions.shape[1])
         joined = lambda a, b: torch.cat([a.expand(-1, heads, -1), b.expand(-1, heads, -1)], -1)  # noqa: E731
-        positions = joined(self.positions, other.positions)
         valid = None
         if self.valid is not None or other.valid is not None:
-            valid = joined(*(i.valid if i.valid is not None else torch.ones_like(i.positions, dtype=torch.bool) for i in (self, other)))
-        return TokenIndex(self.length + other.length, self.batch, self.device, explicit_positions=positions, explicit_valid=valid)
+            valid = joined(*(part.valid_or_ones() for part in (self, other)))
+        positions = joined(self.positions, other.positions)
+        return TokenIndex(self.length + other.length, self.batch, self.device, None, positions, valid)
+
+    def valid_or_ones(self) -> torch.Tensor:
+        """``[B, 1 or H, length]`` validity, all True when none is stored."""
+        if self.explicit_valid is not None:
+            return self.explicit_valid
+        return torch.ones(self.positions.shape, dtype=torch.bool, device=self.device)
 
     def nbytes(self) -> int:
         held = (self.explicit_positions, self.explicit_valid)
