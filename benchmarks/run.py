@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", default="2048,4096")
-    parser.add_argument("--tasks", default="passkey,niah,niah_multikey")
+    parser.add_argument("--tasks", default="passkey,niah,niah_multivalue")
     parser.add_argument("--depths", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--aware-samples", type=int, default=1)
