@@ -90,6 +90,10 @@ def test_wilson_known_cases():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     low, high = wilson_interval(2.5, 5)  # fractional successes: mean 0.5, symmetric interval
     assert low < 0.5 < high and low == pytest.approx(1 - high)
+    for n in range(1, 200):  # the mean always lies inside, rounding included (plots draw mean - low)
+        for successes in (0, n):
+            low, high = wilson_interval(successes, n)
+            assert low <= successes / n <= high
 
 
 def test_report_tables_and_plots(tmp_path, monkeypatch):

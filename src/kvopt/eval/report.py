@@ -77,7 +77,8 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     denominator = 1 + z2 / n
     centre = (p + z2 / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The bounds contain p by construction; min/max keep a rounding error at 0/n or n/n from crossing it.
+    return min(max(0.0, centre - half), p), max(min(1.0, centre + half), p)
 
 
 # --------------------------------------------------------------------------- grouping helpers
