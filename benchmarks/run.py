@@ -343,6 +343,10 @@ def compose(args, timings: dict[str, float]) -> None:
         "|---|---:|",
         *(f"| {name} | {seconds / 60:.1f} min |" for name, seconds in timings.items() if not name.startswith("load")),
         "",
+        "Wall time of the latest run of each step. Steps may run in several parts (by length or task, rows are "
+        "resumable) and the accuracy and perplexity steps side by side, one thread per core; the timed steps "
+        "(bench, speed, decode speed and memory, load) run alone on both cores.",
+        "",
         f"Load time of the default model: cold {timings.get('load cold s', float('nan')):.1f} s (GGUF conversion and "
         f"save, once), warm {timings.get('load warm s', float('nan')):.1f} s.",
         "",
@@ -354,8 +358,8 @@ def compose(args, timings: dict[str, float]) -> None:
         "every method: that fraction of the prompt is removed at the prefill and later tokens are added on top, "
         "so equal ratios hold equal tokens (`KV held`). "
         f"Retention: {', '.join(f'`{m}`' for m in RETENTION[1:])} next to `full` on {args.retention_tasks} with "
-        f"{args.retention_samples} samples per task and length (query-agnostic; niah_multivalue replaces "
-        "niah_multikey there, which the full cache of this model fails), for the share of full's answers kept. "
+        f"{args.retention_samples} samples per task and length (query-agnostic; the grid's rows are reused), for "
+        "the share of full's answers kept. "
         f"Perplexity: {args.ppl_tokens} tokens of real text streamed in chunks of {args.ppl_chunk} for "
         f"{args.ppl_methods} (`streamingllm:sinks=4,window=1020` keeps 1,024 tokens), and "
         f"{args.quant_ppl_tokens} tokens for the quantizers next to HF's QuantizedCache. Bench: {args.new_tokens} "
