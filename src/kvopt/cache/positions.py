@@ -2,7 +2,7 @@
 
 Attention masks come from each stored token's sequence index and padding bit. Most of the
 time the tokens of a store are a run of consecutive indices, all real, the same for every
-KV head (no eviction, no padding): then a start index per batch row says it all, and the
+KV head (no eviction, no padding): then one start index says it all, and the
 per-token tensors are built only when a mask needs them. Eviction, head-wise selection or
 padding switch to explicit tensors ``[batch, 1 or kv_heads, tokens]``.
 """
@@ -79,11 +79,11 @@ class TokenIndex:
         joined = lambda a, b: torch.cat([a.expand(-1, heads, -1), b.expand(-1, heads, -1)], -1)  # noqa: E731
         valid = None
         if self.valid is not None or other.valid is not None:
-            valid = joined(*(part.valid_or_ones() for part in (self, other)))
+            valid = joined(*(part._valid_or_ones() for part in (self, other)))
         positions = joined(self.positions, other.positions)
         return TokenIndex(self.length + other.length, self.batch, self.device, None, positions, valid)
 
-    def valid_or_ones(self) -> torch.Tensor:
+    def _valid_or_ones(self) -> torch.Tensor:
         """``[B, 1 or H, length]`` validity, all True when none is stored."""
         if self.explicit_valid is not None:
             return self.explicit_valid

@@ -59,12 +59,13 @@ class Quantization(Method):
         heads, dim = model.num_kv_heads, model.head_dim
         quantized = kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
         aligned = self.heads_aligned and not layer.per_head
+        classes = self.bit_classes(quantized, layer.index)
         # Positions are a run unless earlier eviction made them irregular or classes split the run.
-        irregular = layer.evicted or len(self.bit_classes(quantized, layer.index)) > 1 or not self.heads_aligned
+        irregular = layer.evicted or len(classes) > 1 or not self.heads_aligned
         packed = sum(
             packed_bytes(tokens, heads, dim, bits, self.group, self.key_mode)
             + (position_bytes(tokens, 1 if aligned else heads) if irregular else 0)
-            for bits, tokens in self.bit_classes(quantized, layer.index)
+            for bits, tokens in classes
         )
         return dense_bytes(kept_tokens - quantized, heads, dim, element_bytes, layer.evicted) + packed
 
