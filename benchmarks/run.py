@@ -26,12 +26,13 @@ import transformers
 
 from kvopt.eval.bench import run_bench
 from kvopt.eval.contenders import split_specs
-from kvopt.eval.report import write_report
+from kvopt.eval.report import keep_sections, write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
 from kvopt.models import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+TITLE = "# kvopt benchmarks"
 PRESSES = ["snapkv", "pyramidkv", "adakv-snapkv", "tova", "streamingllm"]
 RATIOS = [0.5, 0.75, 0.9]
 OURS = ["window", "streamingllm", "snapkv", "pyramidkv", "adakv", "tova", "kvzip"]
@@ -252,6 +253,7 @@ MEMORY_FILE = "decode_memory.jsonl"
 def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path) -> None:
     """One fresh process per (length, method, repeat), methods interleaved within each repeat."""
     rows = []
+    results.mkdir(parents=True, exist_ok=True)
     for length in lengths:
         for repeat in range(repeats):
             for spec in specs:
@@ -284,7 +286,8 @@ def memory_section(results: Path) -> list[str]:
     lines = [
         "## Quantized caches: bytes, decode speed and peak memory (vs HF QuantizedCache)",
         "",
-        "One fresh process per run; KV bytes measured from the tensors after the prompt and "
+        f"One fresh process per run, median of {max(len(g) for g in grouped.values())} runs per length and method "
+        "(methods interleaved within each round); KV bytes measured from the tensors after the prompt and "
         f"{rows[0]['new_tokens']} decoded tokens; fp16-equivalent = a full cache stored in fp16 "
         "(the model runs in fp32 here, so `full` is 2x that). Peak RSS is the process high-water mark "
         "during decoding (reset after the prefill; model weights included), growth = its excess over the "
@@ -296,8 +299,8 @@ def memory_section(results: Path) -> list[str]:
     for (length, spec), group in sorted(grouped.items()):
         fp16 = estimate(info, length + group[0]["new_tokens"], dtype=torch.float16).total_bytes
         kv = median("kv_bytes", group)
-        bits = re.search(r"bits=(\d)", spec)
-        peer = grouped.get((length, f"hf-quanto:bits={bits.group(1)}")) if bits and not spec.startswith("hf") else None
+        bits = quantized_bits(spec)
+        peer = grouped.get((length, f"hf-quanto:bits={bits}")) if bits else None
         speed = median("decode_tok_s", group)
         ratio = f"{speed / median('decode_tok_s', peer):.2f}x" if peer else "–"
         lines.append(
@@ -305,6 +308,15 @@ def memory_section(results: Path) -> list[str]:
             f"{median('decode_peak_rss_mb', group):.0f} MB | {median('decode_rss_growth_mb', group):.1f} MB |"
         )
     return lines + [""]
+
+
+def quantized_bits(spec: str) -> int | None:
+    """The bit width of a kvopt spec's quantizer (its default when the spec omits it); None for other specs."""
+    from kvopt.methods.spec import parse
+
+    if spec.startswith(("hf", "kvpress")):
+        return None
+    return next((method.bits for method in parse(spec) if hasattr(method, "bits")), None)
 
 
 def _ints(text: str) -> list[int]:
@@ -325,11 +337,17 @@ def save_timings(results: Path, timings: dict[str, float]) -> None:
 
 
 def compose(args, timings: dict[str, float]) -> None:
-    """BENCHMARKS.md = set-up and load times + the report, with plot links pointing into benchmarks/report/."""
+    """BENCHMARKS.md = set-up and load times + the report, with plot links pointing into benchmarks/report/.
+
+    Sections this run has no results for (a step re-run alone, on a machine without the earlier
+    results) are kept from the previous BENCHMARKS.md, marked as such, with their step timings.
+    """
     report_dir = ROOT / "benchmarks" / "report"
-    for stale in report_dir.glob("*.png"):
-        stale.unlink()
-    report = write_report(args.results, report_dir, title="kvopt benchmarks").read_text()
+    target = ROOT / "BENCHMARKS.md"
+    previous = target.read_text() if target.exists() else ""
+    previous_header, _, previous_body = previous.partition(f"\n{TITLE}\n")
+    timings = {**previous_timings(previous_header), **timings}
+    report = write_report(args.results, report_dir, title=TITLE.removeprefix("# ")).read_text()
     report = report.replace(f"{ROOT}/", "")
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
@@ -367,8 +385,23 @@ def compose(args, timings: dict[str, float]) -> None:
         "",
     ]
     extra = ["", *check_section(args.results), *memory_section(args.results)]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(header) + report + "\n".join(extra))
-    print((ROOT / "BENCHMARKS.md").read_text())
+    body, kept = keep_sections(report + "\n".join(extra), f"{TITLE}\n{previous_body}")
+    if kept and not (args.results / "eval.jsonl").exists():  # the report's summary lines describe the kept results
+        body = f"{TITLE}\n{previous_body}".split("\n## ")[0] + body[body.index("\n## ") :]
+    target.write_text("\n".join(header) + body)
+    for plot in report_dir.glob("*.png"):  # plots of sections neither regenerated nor kept
+        if plot.name not in body:
+            plot.unlink()
+    print(target.read_text())
+
+
+def previous_timings(header: str) -> dict[str, float]:
+    """Step timings (seconds) from an earlier BENCHMARKS.md's header, for the sections it keeps."""
+    timings = {name: float(minutes) * 60 for name, minutes in re.findall(r"^\| (.+?) \| ([\d.]+) min \|$", header, re.M)}
+    load = re.search(r"cold ([\d.]+) s .*warm ([\d.]+) s", header)
+    if load:
+        timings |= {"load cold s": float(load.group(1)), "load warm s": float(load.group(2))}
+    return timings
 
 
 if __name__ == "__main__":

@@ -179,3 +179,19 @@ def test_retention_pairs_each_method_with_the_reference_prompt_by_prompt():
     low, high = wilson_interval(2, 3)
     assert f"| 4 | 75% vs 75% | 67% [{low * 100:.0f}–{high * 100:.0f}] |" in line
     assert report._retention_section(method, report._methods(method)) == []  # no reference, no table
+
+
+def test_keep_sections_puts_missing_ones_back_in_their_place_marked_once():
+    from kvopt.eval.report import KEPT_NOTE, NO_BENCH, keep_sections
+
+    old = "# T\nold intro\n## A\na1\n## B\nb1\n## C\nc1\n"
+    new = "# T\nnew intro\n## A\na2\n## C\nc2\n"
+    merged, kept = keep_sections(new, old)
+    assert kept == ["## B"]
+    assert merged.index("## A") < merged.index("## B") < merged.index("## C")
+    assert "a2" in merged and "c2" in merged and "a1" not in merged and "new intro" in merged
+    assert merged.count(KEPT_NOTE) == 1
+    again, _ = keep_sections(new, merged)  # kept twice: still one note
+    assert again.count(KEPT_NOTE) == 1 and again == merged
+    placeholder, kept = keep_sections(f"# T\n## A\na2\n## Speed\n\n{NO_BENCH}\n", "# T\n## A\na1\n## Speed\ns1\n")
+    assert kept == ["## Speed"] and "s1" in placeholder and NO_BENCH not in placeholder

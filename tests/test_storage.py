@@ -78,3 +78,36 @@ def test_padding_materializes_validity_and_keeps_outputs_exact(model_pair):
     real = mask.bool()
     assert (expected - got)[real].abs().max() <= 1e-5
     assert cache.layers[0].store.valid[1, 0].sum() == 5
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_split_kv_decoding_equals_one_pass_attention(threads, monkeypatch):
+    monkeypatch.setattr(attention, "MIN_PIECE_TOKENS", 8)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert attention._kv_pieces(3, 64) == threads  # 3 KV heads cut so the pieces fill every thread
+        gen = torch.Generator().manual_seed(2)
+        query = torch.randn(1, 6, 1, 16, generator=gen)
+        keys, values = torch.randn(1, 3, 64, 16, generator=gen), torch.randn(1, 3, 64, 16, generator=gen)
+        fast = attention.attention_with_lse(query, keys, values, None, 0.25)
+    finally:
+        torch.set_num_threads(previous)
+    slow = attention._explicit_attention_with_lse(query, keys, values, None, 0.25)
+    assert torch.allclose(fast[0], slow[0], atol=1e-5) and torch.allclose(fast[1], slow[1], atol=1e-5)
+
+
+def test_dequantizing_into_a_workspace_reuses_its_memory_and_equals_a_fresh_copy():
+    from kvopt.cache.quantized import QuantizedKV
+
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, 2, 64, 16, generator=gen), torch.randn(1, 2, 64, 16, generator=gen)
+    positions, valid = torch.arange(64).expand(1, 2, -1), torch.ones(1, 2, 64, dtype=torch.bool)
+    stored = QuantizedKV.encode(keys, values, positions, valid, 4, 32)
+    first = stored.dequantize(0, 64, torch.float32, into="test")
+    pointers = [t.data_ptr() for t in first]
+    fresh = stored.dequantize()
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh))
+    again = stored.dequantize(32, 64, torch.float32, into="test")  # a smaller request: same memory
+    assert [t.data_ptr() for t in again] == pointers
+    assert torch.equal(again[0], fresh[0][:, :, 32:])

@@ -192,15 +192,52 @@ def attention_with_lse(query, keys, values, mask, scaling, softcap=None) -> tupl
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     folded = query.float().reshape(batch, kv_heads, group * q_len, dim)
-    bias = None
-    if mask is not None:
-        mask = _fold_mask(mask, group)
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     scale = scaling if scaling is not None else dim**-0.5
-    output, lse = _CPU_FLASH(folded, keys.float(), values.float(), attn_mask=bias, scale=scale)[:2]
-    if mask is not None:  # the kernel reports lse 0 for a query that sees no key: make it weigh nothing
-        lse = lse.masked_fill(~mask.any(dim=-1).expand_as(lse), float("-inf"))
+    keys, values = keys.float(), values.float()
+    if mask is None:
+        return _split_kv_flash(folded, keys, values, scale, (batch, heads, q_len))
+    mask = _fold_mask(mask, group)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    output, lse = _CPU_FLASH(folded, keys, values, attn_mask=bias, scale=scale)[:2]
+    # The kernel reports lse 0 for a query that sees no key: make it weigh nothing.
+    lse = lse.masked_fill(~mask.any(dim=-1).expand_as(lse), float("-inf"))
     return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
+
+
+def _split_kv_flash(folded, keys, values, scale, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention with each head's keys cut into pieces that run in parallel, merged by LSE.
+
+    The CPU kernel parallelises over batch x heads x query blocks; decoding has one query block,
+    so 3 KV heads on 2 threads leave one thread idle half the time. Cutting the keys into
+    ``pieces`` (split-KV, as in flash-decoding) evens the work out; the pieces are views when
+    the keys are contiguous (dequantized blocks), otherwise the keys run whole.
+    """
+    batch, heads, q_len = shape
+    kv_heads, tokens, dim = keys.shape[1:]
+    pieces = _kv_pieces(batch * kv_heads, tokens)
+    if pieces > 1 and keys.is_contiguous() and values.is_contiguous():
+        split = lambda t: t.view(batch, kv_heads * pieces, tokens // pieces, -1)  # noqa: E731
+        repeated = folded.repeat_interleave(pieces, dim=1)
+        output, lse = _CPU_FLASH(repeated, split(keys), split(values), scale=scale)[:2]
+        output, lse = merge_pieces(output.view(batch, kv_heads, pieces, -1, dim), lse.view(batch, kv_heads, pieces, -1))
+    else:
+        output, lse = _CPU_FLASH(folded, keys, values, scale=scale)[:2]
+    return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
+
+
+def _kv_pieces(items: int, tokens: int) -> int:
+    """Smallest power of two that makes ``items`` x pieces a multiple of the thread count (1 for short key sets)."""
+    threads, pieces = torch.get_num_threads(), 1
+    while (items * pieces) % threads and pieces < MAX_KV_PIECES and tokens % (2 * pieces) == 0:
+        pieces *= 2
+    return pieces if tokens // pieces >= MIN_PIECE_TOKENS else 1
+
+
+def merge_pieces(outputs: torch.Tensor, lses: torch.Tensor, axis: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_with_lse` over an axis of stacked parts (``outputs`` has one more trailing axis)."""
+    total = torch.logsumexp(lses, dim=axis, keepdim=True)
+    weights = torch.exp(lses - total).nan_to_num_(0.0)
+    return (weights.unsqueeze(-1) * outputs).sum(dim=axis), total.squeeze(axis)
 
 
 def _fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
@@ -231,10 +268,7 @@ def merge_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     """Softmax attention over the union of disjoint key sets, from each set's ``(output, lse)``."""
     if len(parts) == 1:
         return parts[0]
-    lses = torch.stack([lse for _, lse in parts])  # [P, B, H, q]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total).nan_to_num(0.0)
-    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts)), total
+    return merge_pieces(torch.stack([out for out, _ in parts]), torch.stack([lse for _, lse in parts]), axis=0)
 
 
 def kvopt_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor | None:
@@ -245,6 +279,9 @@ def kvopt_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> to
 
 
 FOLD_SINGLE_QUERIES = _hf_folds_single_queries()
+#: Split-KV decoding: at most this many pieces per head, none shorter than this many keys.
+MAX_KV_PIECES = 16
+MIN_PIECE_TOKENS = 256
 #: PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp (a private op: absent -> explicit softmax).
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 

@@ -16,6 +16,8 @@ kernel can replace :func:`quantize` / :func:`dequantize` without touching the st
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,26 +42,59 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return packed
 
 
-def unpack(packed: torch.Tensor, bits: int, dim: int = -1, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def unpack(
+    packed: torch.Tensor, bits: int, dim: int = -1, dtype: torch.dtype = torch.uint8, into: str | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`pack` along ``dim``: the codes as ``dtype``, ``8 / bits`` times longer on ``dim``.
 
     All fields at once: one broadcast shift puts field ``i`` of every byte on a new axis just
     before ``dim`` (planar order), one mask clears the neighbours' bits, one copy converts.
     Shifting and masking run on ``int32`` words, four bytes at a time, where the strides allow.
+    With ``into``, the intermediate and the result live in the reusable buffers of that name
+    (see :func:`workspace`), valid until their next use on this thread.
     """
-    if bits == 8:
-        return packed.to(dtype)
-    per_byte, mask = 8 // bits, (1 << bits) - 1
+    shape = list(packed.shape)
     dim = dim % packed.ndim
+    shape[dim] *= 8 // bits
+    if bits == 8:
+        return _convert(packed, shape, dtype, into)
+    per_byte, mask = 8 // bits, (1 << bits) - 1
     try:
         source, field_mask = packed.view(torch.int32), mask * 0x01010101
     except RuntimeError:  # the byte layout does not fall into whole words
         source, field_mask = packed, mask
-    fields = source.unsqueeze(dim) >> _shifts(bits, source.dtype, packed.device).view(-1, *[1] * (packed.ndim - dim))
+    shifts = _shifts(bits, source.dtype, packed.device).view(-1, *[1] * (packed.ndim - dim))
+    fields_shape = [*source.shape[:dim], per_byte, *source.shape[dim:]]
+    fields = None if into is None else workspace(f"{into}:fields", fields_shape, source.dtype, packed.device)
+    fields = torch.bitwise_right_shift(source.unsqueeze(dim), shifts, out=fields)
     fields &= field_mask
-    shape = list(packed.shape)
-    shape[dim] *= per_byte
-    return fields.view(torch.uint8).reshape(shape).to(dtype)
+    return _convert(fields.view(torch.uint8).view(shape), shape, dtype, into)
+
+
+def _convert(codes: torch.Tensor, shape: list[int], dtype: torch.dtype, name: str | None) -> torch.Tensor:
+    """``codes`` as ``dtype`` (a fresh tensor, or the workspace buffer ``name``)."""
+    if name is None:
+        return codes.to(dtype)
+    return workspace(name, shape, dtype, codes.device).copy_(codes)
+
+
+_WORKSPACES = threading.local()
+
+
+def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of ``shape`` (contents undefined), one per name, dtype and device per thread.
+
+    Decode dequantizes the same amount of data at every step of every layer: writing it into
+    memory the process already holds avoids fresh multi-megabyte allocations, whose page faults
+    cost about as much as the arithmetic. The buffer grows to the largest request and stays
+    (bounded by the attention block size, not the context).
+    """
+    buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
+    key, numel = (name, dtype, device), math.prod(shape)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +159,7 @@ def quantize(
     return QuantizedGroups(pack(codes, bits, pack_dim), scale, zero, bits, pack_dim)
 
 
-def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x^ = code * scale + zero`` in ``dtype``, the shape ``x`` had."""
-    codes = unpack(q.codes, q.bits, q.dim, torch.float32)
+def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32, into: str | None = None) -> torch.Tensor:
+    """``x^ = code * scale + zero`` in ``dtype``, the shape ``x`` had (in the :func:`workspace` ``into`` when named)."""
+    codes = unpack(q.codes, q.bits, q.dim, torch.float32, into)
     return codes.mul_(q.scale).add_(q.zero).to(dtype)  # fp16 parameters promote in place, no copies

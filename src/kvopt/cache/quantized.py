@@ -11,8 +11,9 @@ validity are a :class:`~kvopt.cache.positions.TokenIndex` (no bytes per token wh
 tokens are a run of real, head-aligned ones).
 
 Attention never rebuilds the full-precision cache: :meth:`QuantizedKV.attend` dequantizes
-``BLOCK_TOKENS`` tokens at a time and combines the blocks through their log-sum-exp, the same
-exact merge the layer uses to join this part with its full-precision residual.
+``BLOCK_TOKENS`` tokens at a time (into reused workspace buffers, in fp32, the precision
+attention computes in) and combines the blocks through their log-sum-exp, the same exact
+merge the layer uses to join this part with its full-precision residual.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from kvopt.cache import quant
 from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
 from kvopt.cache.positions import TokenIndex
 
-#: Tokens dequantized at once by attention: bounds the transient full-precision copy.
-BLOCK_TOKENS = 1024
+#: Tokens dequantized at once by attention: bounds the transient full-precision copy (its
+#: buffers are reused by every layer and step). Fewer, larger blocks cost fewer small ops: on the
+#: default model's shapes (3 KV heads x 64), 2 threads, 4-bit at 4k, one layer's attention took
+#: 0.52 ms with 4,096-token blocks vs 0.54-0.65 ms (2,048) and 0.67 ms (1,024).
+BLOCK_TOKENS = 4096
 KEY_MODES = ("channel", "token")
 #: The axis of the tokens within a group, along which codes are packed.
 PACK_AXIS = 3
@@ -95,16 +99,24 @@ class QuantizedKV:
         """Real tokens held per batch row."""
         return self.index.valid_counts()
 
-    def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop`` (on group boundaries)."""
+    def dequantize(
+        self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None, into: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Keys and values ``[B, H, stop - start, D]`` of tokens ``start:stop`` (on group boundaries).
+
+        ``dtype`` defaults to the dtype the tokens had; with ``into``, they are written into
+        :func:`~kvopt.cache.quant.workspace` buffers of that name (valid until their next use).
+        """
         stop = len(self) if stop is None else stop
         if start % self.group or stop % self.group:
             raise ValueError(f"dequantize whole groups: {start}:{stop} does not fall on multiples of {self.group}")
         first, last = start // self.group, stop // self.group
-        keys = quant.dequantize(self.keys.select(2, first, last), self.dtype)
-        values = quant.dequantize(self.values.select(2, first, last), self.dtype)
+        dtype = dtype or self.dtype
+        names = (f"{into}:keys", f"{into}:values") if into else (None, None)
+        keys = quant.dequantize(self.keys.select(2, first, last), dtype, names[0])
+        values = quant.dequantize(self.values.select(2, first, last), dtype, names[1])
         batch, heads = values.shape[:2]
-        return keys.reshape(batch, heads, stop - start, -1), values.reshape(batch, heads, stop - start, -1)
+        return keys.view(batch, heads, stop - start, -1), values.view(batch, heads, stop - start, -1)
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
@@ -116,7 +128,7 @@ class QuantizedKV:
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
-            keys, values = self.dequantize(start, stop)
+            keys, values = self.dequantize(start, stop, torch.float32, into="attend")
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)

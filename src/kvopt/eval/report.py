@@ -35,6 +35,8 @@ CAVEAT = (
 )
 
 Row = dict[str, Any]
+#: What a section says when its results file is absent (a kept earlier section replaces it).
+NO_BENCH = "No bench.jsonl rows: no speed measurements in this run."
 
 
 def load_rows(path: Path) -> list[Row]:
@@ -373,7 +375,7 @@ def _relative(value: float | None, reference: float | None) -> str:
 
 def _bench_section(bench: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
     if not bench:
-        return ["## Speed", "", "No bench.jsonl rows: no speed measurements in this run.", ""]
+        return ["## Speed", "", NO_BENCH, ""]
     summary = _bench_summary(bench)
     order = {info.spec: rank for rank, info in enumerate(_ordered(methods))}
     body = []
@@ -661,3 +663,41 @@ def write_report(results_dir: Path, out_dir: Path, title: str | None = None) -> 
     report = out_dir / "REPORT.md"
     report.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return report
+
+
+KEPT_NOTE = (
+    "> Kept from an earlier run: this run had no results for this section (its results folder lacked them); "
+    "rerun its step to refresh it."
+)
+
+
+def _sections(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """``(preamble, [(heading, section text)])``, split at level-2 headings (``## ``)."""
+    parts = re.split(r"^(?=## )", text, flags=re.MULTILINE)
+    preamble, sections = ("", parts) if text.startswith("## ") else (parts[0], parts[1:])
+    return preamble, [(section.splitlines()[0], section) for section in sections]
+
+
+def keep_sections(new: str, old: str) -> tuple[str, list[str]]:
+    """``new`` plus the sections of ``old`` it lacks, each in its old place, marked as kept.
+
+    A report regenerated from a partial results folder (a step re-run alone) would otherwise drop
+    every section it has no results for (or say only that, :data:`NO_BENCH`). Returns the merged
+    text and the headings kept.
+    """
+    preamble, merged = _sections(new)
+    merged = [(heading, text) for heading, text in merged if NO_BENCH not in text]
+    present = {heading for heading, _ in merged}
+    old_sections = [(heading, text) for heading, text in _sections(old)[1] if NO_BENCH not in text]
+    kept = []
+    for index, (heading, text) in enumerate(old_sections):
+        if heading in present:
+            continue
+        earlier = {h for h, _ in old_sections[:index]}
+        position = max((i + 1 for i, (h, _) in enumerate(merged) if h in earlier), default=0)
+        if KEPT_NOTE not in text:
+            first, _, rest = text.partition("\n")
+            text = f"{first}\n\n{KEPT_NOTE}\n{rest}"
+        merged.insert(position, (heading, text))
+        kept.append(heading)
+    return preamble + "".join(text if text.endswith("\n") else text + "\n" for _, text in merged), kept
