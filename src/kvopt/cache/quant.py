@@ -82,7 +82,7 @@ _WORKSPACES = threading.local()
 
 
 def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable buffer of ``shape`` (contents undefined), one per name, dtype and device per thread.
+    """A reusable buffer of ``shape`` (contents undefined), one per name, dtype, device and thread.
 
     Decode dequantizes the same amount of data at every step of every layer: writing it into
     memory the process already holds avoids fresh multi-megabyte allocations, whose page faults
@@ -90,7 +90,8 @@ def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.dev
     (bounded by the attention block size, not the context).
     """
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
-    key, numel = (name, dtype, device), math.prod(shape)
+    # Tensors made under inference mode cannot be written outside it: one buffer per mode.
+    key, numel = (name, dtype, device, torch.is_inference_mode_enabled()), math.prod(shape)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
