@@ -76,7 +76,7 @@ def reference_attention(query, keys, values, mask, scale):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_attention_on_packed_storage_equals_attention_on_dequantized_tensors(bits, monkeypatch):
-    monkeypatch.setattr(quantized, "BLOCK_TOKENS", 64)  # several blocks
+    monkeypatch.setattr(quantized, "BLOCK_ELEMENTS", 64 * 2 * 2 * 16)  # blocks of 64 tokens: several
     generator = torch.Generator().manual_seed(1)
     keys, values = torch.randn(2, 2, 192, 16, generator=generator), torch.randn(2, 2, 192, 16, generator=generator)
     positions = torch.arange(192, dtype=torch.int32).expand(2, 2, -1).clone()

@@ -11,7 +11,7 @@ validity are a :class:`~kvopt.cache.positions.TokenIndex` (no bytes per token wh
 tokens are a run of real, head-aligned ones).
 
 Attention never rebuilds the full-precision cache: :meth:`QuantizedKV.attend` dequantizes
-``BLOCK_TOKENS`` tokens at a time (into reused workspace buffers, in fp32, the precision
+``BLOCK_ELEMENTS`` per key/value tensor at a time (into reused workspace buffers, in fp32, the precision
 attention computes in) and combines the blocks through their log-sum-exp, the same exact
 merge the layer uses to join this part with its full-precision residual.
 """
@@ -26,11 +26,13 @@ from kvopt.cache import quant
 from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
 from kvopt.cache.positions import TokenIndex
 
-#: Tokens dequantized at once by attention: bounds the transient full-precision copy (its
+#: Elements (batch x KV heads x tokens x head dim) of keys, and of values, dequantized at once by
+#: attention: bounds the transient full-precision copy whatever the batch and head shape (its
 #: buffers are reused by every layer and step). Fewer, larger blocks cost fewer small ops: on the
-#: default model's shapes (3 KV heads x 64), 2 threads, 4-bit at 4k, one layer's attention took
-#: 0.52 ms with 4,096-token blocks vs 0.54-0.65 ms (2,048) and 0.67 ms (1,024).
-BLOCK_TOKENS = 4096
+#: default model (3 KV heads x 64, batch 1), 2 threads, 4-bit at 4k, one layer's attention took
+#: 0.52 ms with 4,096-token blocks (this size: 3 MB of fp32 keys) vs 0.54-0.65 ms (2,048) and
+#: 0.67 ms (1,024).
+BLOCK_ELEMENTS = 4096 * 3 * 64
 KEY_MODES = ("channel", "token")
 #: The axis of the tokens within a group, along which codes are packed.
 PACK_AXIS = 3
@@ -123,7 +125,9 @@ class QuantizedKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, block by block."""
         parts = []
-        step = max(BLOCK_TOKENS // self.group, 1) * self.group
+        batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
+        per_token = batch * heads * channel_groups * channels
+        step = max(BLOCK_ELEMENTS // per_token // self.group, 1) * self.group
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         for start in range(0, len(self), step):
