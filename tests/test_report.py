@@ -182,16 +182,18 @@ def test_retention_pairs_each_method_with_the_reference_prompt_by_prompt():
 
 
 def test_keep_sections_puts_missing_ones_back_in_their_place_marked_once():
-    from kvopt.eval.report import KEPT_NOTE, NO_BENCH, keep_sections
+    from kvopt.eval.report import KEPT_NOTE, NO_BENCH, NO_TASKS, keep_sections
 
-    old = "# T\nold intro\n## A\na1\n## B\nb1\n## C\nc1\n"
-    new = "# T\nnew intro\n## A\na2\n## C\nc2\n"
+    old = "# T\nold intro\n## A\n\na1\n## B\n\nb1\n## C (4096 tokens)\n\nc1\n"
+    new = "# T\nnew intro\n## A\n\na2\n## C (8192 tokens)\n\nc2\n"
     merged, kept = keep_sections(new, old)
     assert kept == ["## B"]
-    assert merged.index("## A") < merged.index("## B") < merged.index("## C")
-    assert "a2" in merged and "c2" in merged and "a1" not in merged and "new intro" in merged
-    assert merged.count(KEPT_NOTE) == 1
+    assert merged.index("## A") < merged.index("## B") < merged.index("## C (8192")
+    assert "a2" in merged and "c2" in merged and "a1" not in merged and "c1" not in merged and "new intro" in merged
+    assert merged.count(KEPT_NOTE) == 1 and f"{KEPT_NOTE}\n\nb1" in merged
     again, _ = keep_sections(new, merged)  # kept twice: still one note
     assert again.count(KEPT_NOTE) == 1 and again == merged
-    placeholder, kept = keep_sections(f"# T\n## A\na2\n## Speed\n\n{NO_BENCH}\n", "# T\n## A\na1\n## Speed\ns1\n")
-    assert kept == ["## Speed"] and "s1" in placeholder and NO_BENCH not in placeholder
+    placeholders = f"# T\n## Accuracy\n\n{NO_TASKS}\n## Speed\n\n{NO_BENCH}\n"
+    restored, kept = keep_sections(placeholders, "# T\n## Accuracy\n\nt1\n## Speed\n\ns1\n")
+    assert kept == ["## Accuracy", "## Speed"] and "t1" in restored and "s1" in restored
+    assert NO_BENCH not in restored and NO_TASKS not in restored

@@ -114,3 +114,29 @@ def test_dequantizing_into_a_workspace_reuses_its_memory_and_equals_a_fresh_copy
     again = stored.dequantize(32, 64, torch.float32, into="test")  # a smaller request: same memory
     assert [t.data_ptr() for t in again] == pointers
     assert torch.equal(again[0], fresh[0][:, :, 32:])
+
+
+def test_quantized_attention_keeps_gradients_and_unpacks_transposed_codes():
+    from kvopt.cache.quantized import QuantizedKV
+
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 64, 2, 16, generator=gen).transpose(1, 2)  # HF's layout: not contiguous
+    values = torch.randn(2, 64, 2, 16, generator=gen).transpose(1, 2)
+    positions, valid = torch.arange(64).expand(2, 2, -1), torch.ones(2, 2, 64, dtype=torch.bool)
+    stored = QuantizedKV.encode(keys, values, positions, valid, 4, 32)
+    assert stored.dequantize()[0].shape == (2, 2, 64, 16)
+    packed = quant.pack(torch.randint(0, 16, (8, 6, 4), generator=gen), 4, dim=0)
+    transposed = packed.transpose(0, 1).contiguous().transpose(0, 1)  # dense, but not in row-major order
+    assert torch.equal(quant.unpack(transposed, 4, dim=0), quant.unpack(packed, 4, dim=0))
+    query = torch.randn(2, 4, 1, 16, generator=gen, requires_grad=True)
+    output, _ = stored.attend(query, torch.tensor([64]), 0.25)
+    output.sum().backward()  # each block's keys stay alive for autograd (no shared workspace)
+    assert query.grad is not None and query.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("threads", "items", "tokens", "pieces"), [(2, 3, 4096, 2), (2, 4, 4096, 1), (3, 2, 2048, 4), (2, 3, 256, 1)]
+)
+def test_split_kv_pieces_even_out_the_threads(threads, items, tokens, pieces, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert attention._kv_pieces(items, tokens) == pieces

@@ -216,24 +216,34 @@ def _split_kv_flash(folded, keys, values, scale, shape) -> tuple[torch.Tensor, t
     kv_heads, tokens, dim = keys.shape[1:]
     pieces = _kv_pieces(batch * kv_heads, tokens)
     if pieces > 1 and keys.is_contiguous() and values.is_contiguous():
-        split = lambda t: t.view(batch, kv_heads * pieces, tokens // pieces, -1)  # noqa: E731
+        pieces_shape = (batch, kv_heads * pieces, tokens // pieces, dim)
         repeated = folded.repeat_interleave(pieces, dim=1)
-        output, lse = _CPU_FLASH(repeated, split(keys), split(values), scale=scale)[:2]
-        output, lse = merge_pieces(output.view(batch, kv_heads, pieces, -1, dim), lse.view(batch, kv_heads, pieces, -1))
+        output, lse = _CPU_FLASH(repeated, keys.view(pieces_shape), values.view(pieces_shape), scale=scale)[:2]
+        output = output.view(batch, kv_heads, pieces, -1, dim)
+        output, lse = merge_pieces(output, lse.view(batch, kv_heads, pieces, -1), axis=2)
     else:
         output, lse = _CPU_FLASH(folded, keys, values, scale=scale)[:2]
     return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
 
 
 def _kv_pieces(items: int, tokens: int) -> int:
-    """Smallest power of two that makes ``items`` x pieces a multiple of the thread count (1 for short key sets)."""
-    threads, pieces = torch.get_num_threads(), 1
-    while (items * pieces) % threads and pieces < MAX_KV_PIECES and tokens % (2 * pieces) == 0:
+    """Pieces (a power of two dividing ``tokens``, each >= ``MIN_PIECE_TOKENS`` keys) per head that
+    spread ``items`` x pieces work units most evenly over the threads (fewest pieces on a tie)."""
+    threads = torch.get_num_threads()
+    best, pieces = 1, 2
+    while pieces <= MAX_KV_PIECES and tokens % pieces == 0 and tokens // pieces >= MIN_PIECE_TOKENS:
+        if _imbalance(items * pieces, threads) < _imbalance(items * best, threads) - 1e-9:
+            best = pieces
         pieces *= 2
-    return pieces if tokens // pieces >= MIN_PIECE_TOKENS else 1
+    return best
 
 
-def merge_pieces(outputs: torch.Tensor, lses: torch.Tensor, axis: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def _imbalance(units: int, threads: int) -> float:
+    """Busiest thread's share of ``units`` equal work units over the even share (1.0 = even)."""
+    return -(-units // threads) * threads / units
+
+
+def merge_pieces(outputs: torch.Tensor, lses: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_with_lse` over an axis of stacked parts (``outputs`` has one more trailing axis)."""
     total = torch.logsumexp(lses, dim=axis, keepdim=True)
     weights = torch.exp(lses - total).nan_to_num_(0.0)

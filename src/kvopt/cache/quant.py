@@ -68,7 +68,7 @@ def unpack(
     fields = None if into is None else workspace(f"{into}:fields", fields_shape, source.dtype, packed.device)
     fields = torch.bitwise_right_shift(source.unsqueeze(dim), shifts, out=fields)
     fields &= field_mask
-    return _convert(fields.view(torch.uint8).view(shape), shape, dtype, into)
+    return _convert(fields.view(torch.uint8).reshape(shape), shape, dtype, into)
 
 
 def _convert(codes: torch.Tensor, shape: list[int], dtype: torch.dtype, name: str | None) -> torch.Tensor:
@@ -87,7 +87,7 @@ def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.dev
     Decode dequantizes the same amount of data at every step of every layer: writing it into
     memory the process already holds avoids fresh multi-megabyte allocations, whose page faults
     cost about as much as the arithmetic. The buffer grows to the largest request and stays
-    (bounded by the attention block size, not the context).
+    (for attention: one block, bounded by ``quantized.BLOCK_ELEMENTS``, not by the context).
     """
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
     # Tensors made under inference mode cannot be written outside it: one buffer per mode.

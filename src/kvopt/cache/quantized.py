@@ -118,7 +118,7 @@ class QuantizedKV:
         keys = quant.dequantize(self.keys.select(2, first, last), dtype, names[0])
         values = quant.dequantize(self.values.select(2, first, last), dtype, names[1])
         batch, heads = values.shape[:2]
-        return keys.view(batch, heads, stop - start, -1), values.view(batch, heads, stop - start, -1)
+        return keys.reshape(batch, heads, stop - start, -1), values.reshape(batch, heads, stop - start, -1)
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
@@ -130,9 +130,11 @@ class QuantizedKV:
         step = max(BLOCK_ELEMENTS // per_token // self.group, 1) * self.group
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
+        # Autograd keeps each block's keys for the backward pass: then blocks get their own memory.
+        into = None if torch.is_grad_enabled() and query.requires_grad else "attend"
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
-            keys, values = self.dequantize(start, stop, torch.float32, into="attend")
+            keys, values = self.dequantize(start, stop, torch.float32, into)
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)

@@ -35,8 +35,11 @@ CAVEAT = (
 )
 
 Row = dict[str, Any]
-#: What a section says when its results file is absent (a kept earlier section replaces it).
+#: What sections say when their results are absent (an earlier run's section may replace them).
 NO_BENCH = "No bench.jsonl rows: no speed measurements in this run."
+NO_TASKS = "No scored task rows in eval.jsonl."
+NO_PLOTS = "Skipped: matplotlib is not installed (`pip install 'kvopt[plot]'`)."
+PLACEHOLDERS = (NO_BENCH, NO_TASKS, NO_PLOTS)
 
 
 def load_rows(path: Path) -> list[Row]:
@@ -242,7 +245,7 @@ def _accuracy_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str
 
 def _accuracy_section(tasks: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
     if not tasks:
-        return ["## Accuracy", "", "No scored task rows in eval.jsonl.", ""]
+        return ["## Accuracy", "", NO_TASKS, ""]
     lines = ["## Accuracy", "", "Columns are context lengths in tokens; `ratio` is the nominal fraction of context "
              "tokens removed; `KV held` is the median peak KV bytes over a full cache's bytes at the same length "
              "(measured from the tensors).", ""]
@@ -582,8 +585,8 @@ def _plots_section(
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return ["## Plots", "", "Skipped: matplotlib is not installed (`pip install 'kvopt[plot]'`).", ""]
-    lines = ["## Plots", ""]
+        return ["## Plots", "", NO_PLOTS, ""]
+    lines = ["## Plots: accuracy", ""]
     for mode in _modes(tasks):
         name = f"frontier_{_slug(mode)}.png"
         if _plot_frontier([r for r in tasks if str(r.get("mode")) == mode], methods, mode, out_dir / name):
@@ -604,15 +607,19 @@ def _plots_section(
     if skipped > 0:
         lines += [f"{skipped} more (method, mode) heatmaps omitted to keep the report small; "
                   "the tables cover them.", ""]
+    if len(lines) == 2:
+        lines = []
 
+    # A section of its own: its plots come from other results than the accuracy plots.
+    by_length = ["## Plots: memory and speed", ""]
     memory, speed, source = _length_series(tasks, bench)
     memory_title = f"KV memory vs context length ({source})"
     if _plot_by_length(memory, methods, "KV cache (MB, 10^6 bytes)", memory_title, out_dir / "memory_vs_length.png"):
-        lines += ["![KV memory vs context length](memory_vs_length.png)", ""]
+        by_length += ["![KV memory vs context length](memory_vs_length.png)", ""]
     speed_title = "Decode speed vs context length (median over repeats)"
     if _plot_by_length(speed, methods, "decode speed (tokens/s)", speed_title, out_dir / "speed_vs_length.png"):
-        lines += ["![Decode speed vs context length](speed_vs_length.png)", ""]
-    return lines if len(lines) > 2 else []
+        by_length += ["![Decode speed vs context length](speed_vs_length.png)", ""]
+    return lines + (by_length if len(by_length) > 2 else [])
 
 
 Series = dict[str, dict[Any, float]]
@@ -672,32 +679,40 @@ KEPT_NOTE = (
 
 
 def _sections(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """``(preamble, [(heading, section text)])``, split at level-2 headings (``## ``)."""
+    """``(preamble, [(key, section text)])``, split at level-2 headings (``## ``).
+
+    The key is the heading without a trailing parenthesis, so a section measured with other
+    settings (``(8192-token prefill)``) replaces its earlier version instead of joining it.
+    """
     parts = re.split(r"^(?=## )", text, flags=re.MULTILINE)
     preamble, sections = ("", parts) if text.startswith("## ") else (parts[0], parts[1:])
-    return preamble, [(section.splitlines()[0], section) for section in sections]
+    return preamble, [(re.sub(r"\s*\(.*\)$", "", section.splitlines()[0]), section) for section in sections]
+
+
+def _has_results(section: str) -> bool:
+    return not any(placeholder in section for placeholder in PLACEHOLDERS)
 
 
 def keep_sections(new: str, old: str) -> tuple[str, list[str]]:
     """``new`` plus the sections of ``old`` it lacks, each in its old place, marked as kept.
 
     A report regenerated from a partial results folder (a step re-run alone) would otherwise drop
-    every section it has no results for (or say only that, :data:`NO_BENCH`). Returns the merged
-    text and the headings kept.
+    every section it has no results for (or say only that: :data:`PLACEHOLDERS`). Returns the
+    merged text and the headings kept.
     """
     preamble, merged = _sections(new)
-    merged = [(heading, text) for heading, text in merged if NO_BENCH not in text]
-    present = {heading for heading, _ in merged}
-    old_sections = [(heading, text) for heading, text in _sections(old)[1] if NO_BENCH not in text]
+    merged = [(key, text) for key, text in merged if _has_results(text)]
+    present = {key for key, _ in merged}
+    old_sections = [(key, text) for key, text in _sections(old)[1] if _has_results(text)]
     kept = []
-    for index, (heading, text) in enumerate(old_sections):
-        if heading in present:
+    for index, (key, text) in enumerate(old_sections):
+        if key in present:
             continue
-        earlier = {h for h, _ in old_sections[:index]}
-        position = max((i + 1 for i, (h, _) in enumerate(merged) if h in earlier), default=0)
+        earlier = {k for k, _ in old_sections[:index]}
+        position = max((i + 1 for i, (k, _) in enumerate(merged) if k in earlier), default=0)
         if KEPT_NOTE not in text:
             first, _, rest = text.partition("\n")
-            text = f"{first}\n\n{KEPT_NOTE}\n{rest}"
-        merged.insert(position, (heading, text))
-        kept.append(heading)
+            text = f"{first}\n\n{KEPT_NOTE}\n\n{rest.lstrip(chr(10))}"
+        merged.insert(position, (key, text))
+        kept.append(key)
     return preamble + "".join(text if text.endswith("\n") else text + "\n" for _, text in merged), kept
