@@ -248,6 +248,8 @@ def check_section(results: Path) -> list[str]:
 
 
 MEMORY_FILE = "decode_memory.jsonl"
+#: Every results file BENCHMARKS.md is made from.
+RESULT_FILES = ("eval.jsonl", "bench.jsonl", CHECK_FILE, MEMORY_FILE)
 
 
 def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path) -> None:
@@ -339,8 +341,9 @@ def save_timings(results: Path, timings: dict[str, float]) -> None:
 def compose(args, timings: dict[str, float]) -> None:
     """BENCHMARKS.md = set-up and load times + the report, with plot links pointing into benchmarks/report/.
 
-    Sections this run has no results for (a step re-run alone, on a machine without the earlier
-    results) are kept from the previous BENCHMARKS.md, marked as such, with their step timings.
+    When the results folder lacks some results (a step re-run alone, on a machine without the
+    earlier results), the sections it has no results for are kept from the previous BENCHMARKS.md,
+    marked as such, with their step timings; a complete folder rewrites the whole file.
     """
     report_dir = ROOT / "benchmarks" / "report"
     target = ROOT / "BENCHMARKS.md"
@@ -351,7 +354,9 @@ def compose(args, timings: dict[str, float]) -> None:
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
     extra = ["", *check_section(args.results), *memory_section(args.results)]
-    body, kept = keep_sections(report + "\n".join(extra), f"{TITLE}\n{previous_body}")
+    body, kept = report + "\n".join(extra), []
+    if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
+        body, kept = keep_sections(body, f"{TITLE}\n{previous_body}")
     if kept:  # the kept sections' step timings too
         timings = {**previous_timings(previous_header), **timings}
     eval_rows = args.results / "eval.jsonl"
