@@ -49,3 +49,11 @@ def tiny_with_tokenizer():
     model = LlamaForCausalLM(config).eval()
     prepare(model)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded SmolLM2-135M-Instruct and its tokenizer, loaded once per test session."""
+    import kvopt
+
+    return kvopt.load_model()

@@ -6,6 +6,7 @@ from conftest import random_batch
 from tiny_models import tiny_model
 
 import kvopt
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.adakv import allocate
 
@@ -19,7 +20,7 @@ def test_uniform_floor_equals_snapkv_through_ragged_attention():
     dense = model.generate(ids, attention_mask=mask, past_key_values=kvopt.cache("snapkv:ratio=0.5,window=8", model), **STEPS)
     cache = kvopt.cache("adakv:ratio=0.5,window=8,alpha=1.0", model)
     ragged = model.generate(ids, attention_mask=mask, past_key_values=cache, **STEPS)
-    assert cache.layers[0].prefix is not None
+    assert cache.layers[0].parts_of(RaggedKV)
     for a, b in zip(dense.logits, ragged.logits):
         assert (a - b).abs().max().item() <= 1e-5
     assert torch.equal(dense.sequences, ragged.sequences)
@@ -69,7 +70,7 @@ def test_ragged_bytes_follow_the_budget():
         model(ids, attention_mask=mask, past_key_values=full)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    kept = sum(int(layer.prefix.counts().sum()) for layer in cache.layers)  # token-heads
+    kept = sum(int(part.counts().sum()) for layer in cache.layers for part in layer.parts_of(RaggedKV))  # token-heads
     per_token_head = 2 * head_dim * 4 + 4  # fp32 key + value, int32 position
     theory = kept * per_token_head
     assert theory <= cache.nbytes() <= 1.05 * theory

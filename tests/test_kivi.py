@@ -9,7 +9,7 @@ import kvopt
 from kvopt.cache import quant
 from kvopt.cache import quantized
 from kvopt.cache.quantized import QuantizedKV
-from kvopt.errors import CacheUsageError, MethodParameterError
+from kvopt.errors import MethodParameterError
 from kvopt.methods import parse
 
 from conftest import random_batch
@@ -101,7 +101,7 @@ def test_kivi_equals_full_while_everything_fits_in_the_residual():
         cache = kvopt.cache(spec, model)
         with torch.no_grad():
             logits.append(model(ids, past_key_values=cache).logits)
-        assert all(not layer.quantized for layer in cache.layers)
+        assert all(not layer.parts_of(QuantizedKV) for layer in cache.layers)
     assert torch.equal(logits[0], logits[1])
 
 
@@ -119,11 +119,12 @@ def test_kivi_holds_the_bytes_its_layout_predicts_and_fewer_with_fewer_bits():
             model(ids, past_key_values=cache)
         layer = cache.layers[0]
         quantized = 300 // 32 * 32  # every whole group, once 64 tokens are held
-        assert len(layer.quantized[0]) == quantized and len(layer.store) == 300 - quantized
+        (part,) = layer.parts_of(QuantizedKV)
+        assert len(part) == quantized and len(layer.store) == 300 - quantized
         heads, dim = config.num_key_value_heads, config.head_dim
         codes = 2 * quantized * heads * dim * bits // 8
         params = quantized * heads * dim // 32 * 2 * 2 + quantized * heads * math.ceil(dim / min(32, dim)) * 2 * 2
-        assert layer.quantized[0].nbytes() == codes + params  # positions are a run: no bytes per token
+        assert part.nbytes() == codes + params  # positions are a run: no bytes per token
         held[bits] = cache.nbytes()
     assert held[2] < held[4] < held[8] < full.nbytes()
 
@@ -142,7 +143,7 @@ def test_kivi_stays_close_to_full_and_decodes_past_group_boundaries():
     error8 = (torch.stack(steps["kivi:bits=8,residual=16"]) - full).abs().max().item()
     error2 = (torch.stack(steps["kivi:bits=2,residual=16"]) - full).abs().max().item()
     assert error8 < 2e-2 and error8 < error2
-    assert len(caches["kivi:bits=8,residual=16"].layers[0].quantized[0]) == 128  # 130 tokens: 4 whole groups
+    assert len(caches["kivi:bits=8,residual=16"].layers[0].parts_of(QuantizedKV)[0]) == 128  # 130 tokens: 4 whole groups
 
 
 def test_kivi_batches_with_left_padding_count_only_real_tokens():
@@ -166,10 +167,8 @@ def test_kivi_composes_after_prefill_eviction_and_rejects_decode_eviction_after_
             model(torch.tensor([[7]]), past_key_values=cache)
         bytes_of[spec] = cache.nbytes()
     assert bytes_of["snapkv:ratio=0.75+kivi:bits=4,residual=16"] < bytes_of["snapkv:ratio=0.75"] < bytes_of["full"]
-    cache = kvopt.cache("tova:budget=100+kivi:bits=4,residual=16", model)
-    with torch.no_grad(), pytest.raises(CacheUsageError, match="before kivi"):
-        model(ids, past_key_values=cache)
-        model(torch.tensor([[7]]), past_key_values=cache)
+    with pytest.raises(MethodParameterError, match="evicts while decoding"):  # refused before any forward
+        kvopt.cache("tova:budget=100+kivi:bits=4,residual=16", model)
 
 
 def test_kivi_runs_under_generate():
@@ -177,7 +176,7 @@ def test_kivi_runs_under_generate():
     ids = torch.randint(3, VOCAB, (1, 70))
     cache = kvopt.cache("kivi:bits=4,residual=16", model)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    assert out.shape[1] == 78 and cache.layers[0].quantized
+    assert out.shape[1] == 78 and cache.layers[0].parts_of(QuantizedKV)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +224,7 @@ def test_tokenquant_quantizes_each_token_on_its_own():
     with torch.no_grad():
         model(ids, past_key_values=cache)
     layer = cache.layers[0]
-    (part,) = layer.quantized
+    (part,) = layer.parts_of(QuantizedKV)
     keys, _ = part.dequantize()
     # Reference: each stored token's key, quantized alone in groups of 16 channels.
     direct = kvopt.cache("full", model)

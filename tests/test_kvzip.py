@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvopt
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError
 from kvopt.methods.kvzip import KVzip
 
@@ -64,13 +65,14 @@ def test_kvzip_global_budgets_rank_all_layers_and_heads_together(tiny_with_token
     candidates.sort(key=lambda c: -c[0])
     winners = candidates[: (keep - window) * len(scores) * scores[0].shape[0]]
     for layer, held in enumerate(cache.layers):
-        counts = held.prefix.counts()[0]
+        (prefix,) = held.parts_of(RaggedKV)
+        counts = prefix.counts()[0]
         for head in range(counts.numel()):
-            start = int(held.prefix.offsets[head])
-            kept = held.prefix.positions[start : start + int(counts[head])].tolist()
+            start = int(prefix.offsets[head])
+            kept = prefix.positions[start : start + int(counts[head])].tolist()
             chosen = sorted(t for _, l, h, t in winners if (l, h) == (layer, head))
             assert kept == chosen + list(range(150 - window, 150))
-    sizes = {int(c) for layer in cache.layers for c in layer.prefix.counts().flatten()}
+    sizes = {int(c) for layer in cache.layers for c in layer.parts_of(RaggedKV)[0].counts().flatten()}
     assert len(sizes) > 1  # the point of global budgets: heads and layers keep different amounts
 
 
@@ -84,10 +86,11 @@ def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_toke
     cache.prefill(model, context, tokenizer=tokenizer)
     assert cache.get_seq_length() == 300
     heads = model.config.num_key_value_heads
-    held = [layer.prefix.counts().sum() if layer.prefix is not None else len(layer.store) * heads for layer in cache.layers]
+    prefixes = [layer.parts_of(RaggedKV) for layer in cache.layers]
+    held = [p[0].counts().sum() if p else len(layer.store) * heads for p, layer in zip(prefixes, cache.layers)]
     assert int(sum(held)) == 75 * heads * len(cache.layers)
-    for layer in cache.layers:
-        positions = layer.prefix.positions if layer.prefix is not None else layer.store.positions
+    for prefix, layer in zip(prefixes, cache.layers):
+        positions = prefix[0].positions if prefix else layer.store.positions
         assert int(positions.max()) < 300 and not layer.store.has_extra("kvzip")
     assert cache.nbytes() < 0.3 * full.nbytes()
 
@@ -99,7 +102,7 @@ def test_kvzip_batch_rows_keep_their_own_budget(tiny_with_tokenizer):
     mask[1, :40] = 0
     cache = kvopt.cache("kvzip:ratio=0.5", model)
     cache.prefill(model, ids, attention_mask=mask, tokenizer=tokenizer)
-    per_row = sum(layer.prefix.counts().sum(dim=1) for layer in cache.layers)  # token-heads per row
+    per_row = sum(layer.parts_of(RaggedKV)[0].counts().sum(dim=1) for layer in cache.layers)  # token-heads per row
     slots = model.config.num_key_value_heads * len(cache.layers)
     assert per_row.tolist() == [60 * slots, 40 * slots]
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvopt
-from kvopt.cache.merged import slerp_merge
+from kvopt.cache.merged import MergedView, slerp_merge
 from kvopt.errors import MethodParameterError
 from kvopt.memory import estimate
 from kvopt.methods import parse
@@ -53,8 +53,8 @@ def effective_kv(cache) -> DynamicCache:
     dynamic = DynamicCache()
     for index, layer in enumerate(cache.layers):
         keys, values = layer.store.keys, layer.store.values
-        if layer.merged is not None:
-            merged_keys, merged_values = layer.merged.layer_kv(layer.pair_role)
+        for view in layer.parts_of(MergedView):
+            merged_keys, merged_values = view.layer_kv()
             keys, values = torch.cat([merged_keys, keys], 2), torch.cat([merged_values, values], 2)
         dynamic.update(keys, values, index)
     return dynamic
@@ -68,12 +68,11 @@ def test_merged_layers_read_exactly_their_reconstruction_and_retained_tokens_sta
         model(ids, past_key_values=full)
         model(ids, past_key_values=cache)
     for layer, reference in zip(cache.layers, full.layers):
-        if layer.merged is None:
-            continue
-        keys, _ = layer.merged.layer_kv(layer.pair_role)
-        slots = layer.merged.retained_index[0, 0].long()
-        assert len(slots) == 20
-        assert torch.allclose(keys[0, 0, slots], reference.store.keys[0, 0, slots])
+        for view in layer.parts_of(MergedView):
+            keys, _ = view.layer_kv()
+            slots = view.pair.retained_index[0, 0].long()
+            assert len(slots) == 20
+            assert torch.allclose(keys[0, 0, slots], reference.store.keys[0, 0, slots])
     reference_model = six_layer_model()
     token = torch.tensor([[7]])
     with torch.no_grad():
@@ -91,8 +90,8 @@ def test_minicache_frees_memory_and_matches_its_theoretical_size(spec):
         model(ids, past_key_values=full)
         model(ids, past_key_values=cache)
     assert cache.nbytes() < full.nbytes()
-    merged = [layer for layer in cache.layers if layer.merged is not None]
-    assert merged and all(len(layer.store) == 0 and len(layer.merged) == 1000 for layer in merged)
+    merged = [layer for layer in cache.layers if layer.parts_of(MergedView)]
+    assert merged and all(len(layer.store) == 0 and len(layer.parts_of(MergedView)[0].pair) == 1000 for layer in merged)
     (method,) = cache.methods
     info = ModelInfo.from_config(model.config)
     for layer in merged:  # the merged layers hold what the theoretical size says (unmerged ones are `full`)
@@ -115,8 +114,8 @@ def test_minicache_composes_with_kivi_and_keeps_merging_while_decoding():
         assert torch.isfinite(logits).all()
         held[spec] = cache.nbytes()
     assert held["minicache+kivi:bits=4"] < held["kivi:bits=4"] < held["minicache"]
-    merged = next(layer for layer in cache.layers if layer.merged is not None)
-    assert len(merged.merged) == 320 and type(merged.merged.direction).__name__ == "QuantizedKV"  # 340 = 10 groups + 20
+    (view,) = next(layer.parts_of(MergedView) for layer in cache.layers if layer.parts_of(MergedView))
+    assert len(view.pair) == 320 and type(view.pair.direction).__name__ == "QuantizedKV"  # 340 = 10 groups + 20
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """minikv: the calibration finds the layer whose quantization hurts, per-layer bits, sizes."""
 
+import copy
+
 import pytest
 import torch
 
 import kvopt
+from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
 from kvopt.memory import estimate
 from kvopt.methods import parse
@@ -39,7 +42,7 @@ def test_minikv_stores_each_layer_in_its_bits_and_matches_its_theoretical_size()
     ids = torch.randint(3, VOCAB, (1, 500))
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    assert [layer.quantized[0].bits for layer in cache.layers] == [2, 4, 2]
+    assert [layer.parts_of(QuantizedKV)[0].bits for layer in cache.layers] == [2, 4, 2]
     theoretical = estimate(ModelInfo.from_config(model.config), 500, methods=[method], dtype=torch.float32).total_bytes
     # Within 3% on this tiny model (2 slack tokens of growth room per layer; 2% at head_dim 64: test_kivi.py).
     assert abs(cache.nbytes() / theoretical - 1) <= 0.03
@@ -59,7 +62,7 @@ def test_minikv_composes_after_prefill_eviction():
     cache = kvopt.cache([evict, quantize], model)
     with torch.no_grad():
         model(torch.randint(3, VOCAB, (1, 160)), past_key_values=cache)
-    assert all(int(layer.kept_per_row()[0]) == 80 and layer.quantized for layer in cache.layers)
+    assert all(int(layer.kept_per_row()[0]) == 80 and layer.parts_of(QuantizedKV) for layer in cache.layers)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +76,6 @@ def test_bad_minikv_parameters_say_what_to_do(spec, fragment):
 
 def test_calibration_replaying_one_prefill_equals_a_prefill_per_probe():
     """sensitivities() prefills the context once and replays it; a probe cache prefilled directly agrees."""
-    from kvopt.cache import build_cache
     from kvopt.methods.minikv import SCORED_TOKENS
 
     model = sensitive_layer_model(1)
@@ -84,7 +86,7 @@ def test_calibration_replaying_one_prefill_equals_a_prefill_per_probe():
     def log_probs(layer_bits):
         probe = MiniKV(low=2, high=8, group=16, residual=0)
         probe.layer_bits = layer_bits
-        cache = build_cache([probe], model)
+        cache = kvopt.cache([probe], model)
         with torch.no_grad():
             model(context, past_key_values=cache)
             return torch.log_softmax(model(scored, past_key_values=cache).logits[0].float(), dim=-1)
@@ -96,3 +98,25 @@ def test_calibration_replaying_one_prefill_equals_a_prefill_per_probe():
         for layer in range(3)
     ]  # fmt: skip
     assert sensitivities(method, model, ids) == pytest.approx(expected, rel=1e-4, abs=1e-7)
+
+
+def test_minikv_calibrates_on_the_text_its_caller_supplies(tiny_with_tokenizer, tmp_path, monkeypatch):
+    """The text comes from the caller (kvopt.api gives local prose): methods import nothing from eval/."""
+    from kvopt.api import build_cache
+    from kvopt.models.loading import resolve_model_dir
+
+    model = copy.deepcopy(tiny_with_tokenizer[0])
+    model.name_or_path = str(resolve_model_dir())  # where the calibration finds the tokenizer
+    monkeypatch.setenv("KVOPT_CACHE", str(tmp_path))  # a fresh calibration, stored here
+    reads = []
+
+    def text() -> str:
+        reads.append(1)
+        return "The river rose through the night, and by morning the village had moved uphill. " * 30
+
+    method = MiniKV(low=2, high=4, sensitive=0.5, group=16, residual=16, calibration=160)
+    build_cache([method], model, calibration_text=text)
+    assert reads == [1] and sorted(method.layer_bits) == [2, 4]
+    again = MiniKV(low=2, high=4, sensitive=0.5, group=16, residual=16, calibration=160)
+    build_cache([again], model, calibration_text=text)
+    assert reads == [1] and again.layer_bits == method.layer_bits  # stored: the text is not read again

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvopt
+from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods import parse
 
@@ -50,7 +51,7 @@ def test_mixedkv_puts_the_reference_salient_tokens_in_high_bits():
         model(ids, past_key_values=cache)
     expected = reference_high_positions(model, ids, residual=24, group=16, salient=0.25, probe=0.2)
     for layer, heads in zip(cache.layers, expected):
-        parts = {part.bits: part for part in layer.quantized}
+        parts = {part.bits: part for part in layer.parts_of(QuantizedKV)}
         assert len(parts[8]) == 32 and len(parts[2]) == 80  # 112 quantized: 2 of 7 groups salient
         for head, positions in enumerate(heads):
             assert set(parts[8].positions[0, head].tolist()) == positions
@@ -71,7 +72,7 @@ def test_mixedkv_holds_bytes_between_its_two_widths_and_reevaluates_while_decodi
         held[spec] = cache.nbytes()
     assert held["kivi:bits=2,residual=32"] < held["mixedkv:high=4,low=2,salient=0.25,residual=32"] < held["kivi:bits=4,residual=32"]
     layer = cache.layers[0]
-    assert sum(len(p) for p in layer.quantized) + len(layer.store) == 370
+    assert sum(len(p) for p in layer.parts_of(QuantizedKV)) + len(layer.store) == 370
 
 
 @pytest.mark.parametrize(

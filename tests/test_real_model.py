@@ -10,11 +10,6 @@ from kvopt.runtime import generate_streaming
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture(scope="module")
-def default_model():
-    return kvopt.load_model()
-
-
 def test_default_model_knows_paris(default_model):
     model, tokenizer = default_model
     pieces: list[str] = []

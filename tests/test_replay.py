@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import kvopt
-from kvopt.cache import record_prefill
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError
+from kvopt.methods.recording import record_prefill
 
 from conftest import random_batch
 from tiny_models import tiny_model
@@ -54,7 +55,7 @@ def test_replayed_prefill_equals_a_direct_one(arch, spec):
     assert [s.kept for s in replayed.stats()] == [s.kept for s in direct.stats()]
     assert replayed.nbytes() <= direct.nbytes()  # the copy is compact; a direct run may hold some slack
     for ours, theirs in zip(replayed.layers, direct.layers):
-        if ours.prefix is None:
+        if not ours.parts_of(RaggedKV):
             assert torch.equal(ours.store.positions, theirs.store.positions)
     for ours, theirs in zip(continue_decoding(model, replayed, ids, mask), continue_decoding(model, direct, ids, mask)):
         assert (ours - theirs).abs().max().item() <= 1e-5
@@ -71,9 +72,9 @@ def test_kvzip_replays_then_runs_its_reconstruction(tiny_with_tokenizer):
     replayed = kvopt.cache("kvzip:ratio=0.5,chunk=32", model)
     replayed.replay_prefill(recorded)
     replayed.after_prefill(model, ids, tokenizer=tokenizer)
-    for ours, theirs in zip(replayed.layers, direct.layers):  # global budgets: ragged per-head segments
-        assert torch.equal(ours.prefix.positions, theirs.prefix.positions)
-        assert torch.equal(ours.prefix.offsets, theirs.prefix.offsets)
+    for replayed_layer, direct_layer in zip(replayed.layers, direct.layers):  # global budgets: ragged segments
+        (ours,), (theirs,) = replayed_layer.parts_of(RaggedKV), direct_layer.parts_of(RaggedKV)
+        assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.offsets, theirs.offsets)
 
 
 def test_replay_needs_a_recording_and_an_empty_cache():

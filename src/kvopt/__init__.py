@@ -4,12 +4,19 @@
     cache = kvopt.cache("window:size=1024", model)   # or "full"
     model.generate(ids, past_key_values=cache, max_new_tokens=64)
     cache.nbytes(), cache.stats()
+
+    llm = kvopt.LLM()                                # the serving engine: paged, prefix-cached, batched
+    llm.generate(prompts, kvopt.SamplingParams(max_tokens=64))
 """
 
 from kvopt import methods
-from kvopt.cache import KVCache, build_cache as cache
+from kvopt.api import build_cache as cache
+from kvopt.cache import KVCache
+from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import KVOptError
 from kvopt.models import ModelInfo, load_model, prepare
 
-__all__ = ["KVCache", "KVOptError", "ModelInfo", "cache", "load_model", "methods", "prepare"]
+__all__ = [
+    "LLM", "KVCache", "KVOptError", "ModelInfo", "SamplingParams", "cache", "load_model", "methods", "prepare",
+]  # fmt: skip
 __version__ = "0.1.0"

@@ -28,6 +28,14 @@ class DefaultModelMissingError(ModelNotFoundError):
     """The package that ships the default model is not installed."""
 
 
+class ModelFileError(ModelNotFoundError):
+    """A model file or folder exists but cannot be used (not a GGUF, truncated, no weights, unknown architecture)."""
+
+
+class ModelShapeError(KVOptError):
+    """A model shape (layers, heads, head dimension) that no model can have."""
+
+
 class ContextTooLongError(KVOptError):
     """A prompt (plus the tokens to generate) exceeds what the model supports."""
 

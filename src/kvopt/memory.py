@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.errors import KVOptError
 from kvopt.methods import Method
 from kvopt.methods.base import LayerContext
 from kvopt.models.info import ModelInfo
@@ -47,6 +48,8 @@ def estimate(
     dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """Theoretical KV bytes for ``batch`` sequences of ``seq_len`` tokens under ``methods``."""
+    if seq_len < 0 or batch < 1:
+        raise KVOptError(f"seq_len={seq_len} and batch={batch} must be >= 0 and >= 1 (a size is never negative)")
     for method in methods or []:
         method.check_model(info)  # also lets methods learn the model's layout (layer pairs, layer counts)
     per_layer_token_bytes = bytes_per_token(info, dtype) // info.num_layers

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvopt.errors import ContextTooLongError
+from kvopt.errors import ContextTooLongError, KVOptError
 from kvopt.memory import estimate, human_bytes
+from kvopt.methods import Method
 from kvopt.models.info import ModelInfo
 
 
@@ -83,13 +84,28 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def check_context(info: ModelInfo, prompt_tokens: int, max_new_tokens: int) -> None:
+def check_context(info: ModelInfo, prompt_tokens: int, max_new_tokens: int, methods: Sequence[Method] = ()) -> None:
+    """Refuse a prompt and answer longer than the model's context, unless a method streams past it (StreamingLLM).
+
+    The fix named is the one that works: a lower ``--max-new-tokens`` only while the prompt alone fits.
+    """
     limit = info.max_positions
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
-        raise ContextTooLongError(
-            f"prompt of {prompt_tokens} tokens plus {max_new_tokens} new tokens exceeds the model's maximum of "
-            f"{limit} positions; shorten the prompt or lower --max-new-tokens to {max(limit - prompt_tokens, 0)}"
-        )
+    if prompt_tokens == 0:
+        raise KVOptError("the prompt is empty (it encodes to no tokens); pass some text, or use --chat")
+    if max_new_tokens < 1:
+        raise KVOptError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if limit is None or prompt_tokens + max_new_tokens <= limit or any(m.extends_context for m in methods):
+        return
+    room = limit - prompt_tokens
+    fix = (
+        f"lower --max-new-tokens to {room} or shorten the prompt"
+        if room >= 1
+        else f"shorten the prompt to at most {limit - 1} tokens (or stream past the context with streamingllm)"
+    )
+    raise ContextTooLongError(
+        f"prompt of {prompt_tokens} tokens plus {max_new_tokens} new tokens exceeds the model's maximum of "
+        f"{limit} positions; {fix}"
+    )
 
 
 def generate_streaming(
@@ -107,7 +123,7 @@ def generate_streaming(
     ``model`` is a loaded model (then pass ``tokenizer``) or a name/path for :func:`kvopt.load_model`.
     The method spec is validated before the model is loaded, so typos fail fast.
     """
-    from kvopt.cache import build_cache
+    from kvopt.api import build_cache
     from kvopt.methods import parse
     from kvopt.models.loading import load_model
 
@@ -116,12 +132,12 @@ def generate_streaming(
         model, tokenizer = load_model(model, dtype=dtype)
     info = ModelInfo.from_config(model.config)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
-    check_context(info, input_ids.shape[-1], max_new_tokens)
+    check_context(info, input_ids.shape[-1], max_new_tokens, methods)
     cache = build_cache(methods, model)
     streamer = _TimedStreamer(tokenizer, sink)
     start = time.perf_counter()
     with torch.inference_mode():
-        if cache.needs_prefill_pass:  # e.g. kvzip: cache and compress the prompt (but its last token) first
+        if cache.needs_prefill_pass and input_ids.shape[-1] > 1:  # kvzip: cache and compress all but the last token
             cache.prefill(model, input_ids[:, :-1], tokenizer=tokenizer)
         output = model.generate(
             input_ids,

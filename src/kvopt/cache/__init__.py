@@ -1,5 +1,5 @@
 """Cache storage, the attention seam and the user-facing :class:`KVCache`."""
 
-from kvopt.cache.kv_cache import KVCache, LayerStats, build_cache, record_prefill
+from kvopt.cache.kv_cache import KVCache, LayerStats
 
-__all__ = ["KVCache", "LayerStats", "build_cache", "record_prefill"]
+__all__ = ["KVCache", "LayerStats"]

@@ -296,6 +296,16 @@ MIN_PIECE_TOKENS = 256
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def cpu_flash_available(query: torch.Tensor) -> bool:
+    """Whether PyTorch's CPU flash kernel (the one that returns the log-sum-exp) serves ``query``'s device."""
+    return query.device.type == "cpu" and _CPU_FLASH is not None
+
+
+def cpu_flash(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, lse)`` of unmasked attention, fp32 ``[B, H, q, D]`` inputs with equal head counts."""
+    return _CPU_FLASH(query, keys, values, scale=scale)[:2]
+
+
 def register() -> None:
     """Register the attention and mask functions under ``"kvopt"`` (idempotent)."""
     from transformers import AttentionInterface
@@ -303,3 +313,14 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, kvopt_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, kvopt_mask)
+
+
+def prepare(model) -> None:
+    """Make ``model`` run its attention through kvopt (registered, not monkeypatched)."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTENTION_NAME)
+    else:
+        model.config._attn_implementation = ATTENTION_NAME

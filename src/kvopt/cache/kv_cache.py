@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers.cache_utils import Cache
 
-from kvopt.cache.attention import ATTENTION_NAME
+from kvopt.cache.attention import ATTENTION_NAME, prepare
 from kvopt.cache.layer import KVLayer
 from kvopt.errors import CacheUsageError, ContextTooLongError
-from kvopt.methods import Method, parse
 from kvopt.models.info import ModelInfo
+
+if TYPE_CHECKING:
+    from kvopt.methods.base import Method
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,18 @@ class KVCache(Cache):
             layer.index, layer.siblings = index, layers
         super().__init__(layers=layers)
 
+    @classmethod
+    def for_model(cls, methods: list[Method], model) -> KVCache:
+        """A cache of ``model``'s shape whose ``methods`` were checked against it; the model's attention
+        is set to kvopt's (:func:`~kvopt.cache.attention.prepare`). Methods' one-time set-up is the caller's."""
+        info = ModelInfo.from_config(model.config)
+        for method in methods:
+            method.check_model(info)
+        prepare(model)
+        return cls(methods, info, model.config)
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.info.check_keys(layer_idx, key_states)
         if layer_idx == 0 and self._config is not None:
             implementation = getattr(self._config, "_attn_implementation", None)
             if implementation != ATTENTION_NAME:
@@ -82,15 +96,17 @@ class KVCache(Cache):
     def replay_prefill(self, source: KVCache) -> None:
         """Start from ``source``'s prefilled tokens and let this cache's methods compress them.
 
-        ``source`` comes from :func:`record_prefill`. Because methods act after attention, this
-        equals prefilling this cache directly with the same one forward pass, so one prefill
-        serves many methods (the evaluation grid compares a dozen on each prompt).
+        ``source`` comes from :func:`~kvopt.methods.recording.record_prefill`. Because methods act
+        after attention, this equals prefilling this cache directly with the same one forward pass,
+        so one prefill serves many methods (the evaluation grid compares a dozen on each prompt).
         """
-        steps = [layer.state.get(PREFILL_STEP) for layer in source.layers]
-        if len(source.layers) != len(self.layers) or any(step is None for step in steps):
-            raise CacheUsageError("replay_prefill needs a cache filled by kvopt.cache.record_prefill on the same model")
-        for layer, done, step in zip(self.layers, source.layers, steps):
-            layer.replay_prefill(done, step)
+        layers = source.layers
+        if len(layers) != len(self.layers) or any(layer.recorded_prefill is None for layer in layers):
+            raise CacheUsageError(
+                "replay_prefill needs a cache filled by kvopt.methods.recording.record_prefill on the same model"
+            )
+        for layer, done in zip(self.layers, source.layers):
+            layer.replay_prefill(done)
 
     @property
     def spec(self) -> str:
@@ -112,50 +128,3 @@ class KVCache(Cache):
     def __repr__(self) -> str:
         seen = self.get_seq_length()
         return f"KVCache(spec={self.spec!r}, layers={len(self.layers)}, seen={seen}, nbytes={self.nbytes()})"
-
-
-PREFILL_STEP = "record_prefill.step"
-
-
-@dataclass
-class _RecordPrefill(Method):
-    """Keeps each layer's prefill step (its queries) so other caches can replay the prefill."""
-
-    def after_attention(self, layer, step) -> None:
-        if step.is_prefill:
-            layer.state[PREFILL_STEP] = step
-
-
-def record_prefill(model, input_ids, attention_mask=None, **forward_kwargs) -> tuple[KVCache, object]:
-    """Prefill a lossless cache in one forward pass, recording what methods need to replay it.
-
-    Returns ``(cache, model output)``; pass the cache to :meth:`KVCache.replay_prefill`.
-    ``forward_kwargs`` go to the forward call (e.g. ``position_ids``, ``logits_to_keep``).
-    Recording keeps every layer's queries (as large as the keys held).
-    """
-    import torch
-
-    cache = build_cache([_RecordPrefill()], model)
-    for layer in cache.layers:
-        # Keep what a sliding layer would forget: a direct prefill runs its methods before
-        # forgetting, and so does the replay. (The model still masks by the window.)
-        layer.sliding_window = None
-    with torch.no_grad():
-        output = model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **forward_kwargs
-        )
-    return cache, output
-
-
-def build_cache(spec: str | list[Method], model) -> KVCache:
-    """Create a cache for ``model`` following ``spec`` (e.g. ``"full"`` or ``"window:size=1024"``)."""
-    from kvopt.models.loading import prepare
-
-    methods = parse(spec) if isinstance(spec, str) else list(spec)
-    info = ModelInfo.from_config(model.config)
-    for method in methods:
-        method.check_model(info)
-    prepare(model)
-    for method in methods:
-        method.prepare(model)
-    return KVCache(methods, info, model.config)

@@ -5,6 +5,7 @@ layers), each layer's *magnitudes*, and, for the tokens whose two layers disagre
 layers' original vectors ("retained", scattered back on reading). A layer reads its tokens as
 ``magnitude * direction`` -- one layer at a time, never the whole cache. The direction may be
 quantized (``minicache+kivi``): it is then a :class:`~kvopt.cache.quantized.QuantizedKV`.
+Each layer of the pair holds a :class:`MergedView` of the shared :class:`MergedPair`: its part.
 """
 
 from __future__ import annotations
@@ -98,7 +99,31 @@ class MergedPair:
         values.scatter_(2, index, self.retained[role, 1].float())
         return keys.to(self.dtype), values.to(self.dtype)
 
-    def attend(self, role: int, query, query_positions, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.layer_kv(role)
-        mask = visibility(*self.index.span(0, len(self)), query_positions)
+
+@dataclass
+class MergedView:
+    """A :class:`~kvopt.cache.part.KVPart`: one layer's tokens in a pair it shares with a neighbour."""
+
+    kind = "merged layers (minicache)"
+    read_order = 2
+
+    pair: MergedPair
+    #: The layer's place in the pair: 0 (shallower) or 1 (deeper).
+    role: int
+
+    def layer_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values ``[B, H, T, D]``, rebuilt from the pair."""
+        return self.pair.layer_kv(self.role)
+
+    def attend(self, query, query_positions, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.layer_kv()
+        mask = visibility(*self.pair.index.span(0, len(self.pair)), query_positions)
         return attention_with_lse(query, keys, values, mask, scaling, softcap)
+
+    def nbytes(self) -> int:
+        """Half the shared bytes (the first layer of the pair counts the odd byte), so a cache counts them once."""
+        shared = self.pair.nbytes()
+        return shared // 2 + (shared % 2 if self.role == 0 else 0)
+
+    def valid_counts(self) -> torch.Tensor:
+        return self.pair.index.valid_counts()

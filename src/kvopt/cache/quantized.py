@@ -47,6 +47,11 @@ def _per_token_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 @dataclass
 class QuantizedKV:
+    """A :class:`~kvopt.cache.part.KVPart`: bit-packed keys and values of one setting (bits, group, key mode)."""
+
+    kind = "quantized tokens (kivi, mixedkv, minikv, tokenquant)"
+    read_order = 1
+
     keys: quant.QuantizedGroups
     values: quant.QuantizedGroups
     index: TokenIndex

@@ -14,11 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.cache.attention import merge_with_lse
+from kvopt.errors import CacheUsageError
 
 
 @dataclass
 class RaggedKV:
+    """A :class:`~kvopt.cache.part.KVPart`: each (batch row, KV head) keeps its own number of tokens."""
+
+    kind = "ragged tokens (head-wise budgets: adakv, kvzip)"
+    read_order = 0
+
     keys: torch.Tensor  # [tokens, key_dim]
     values: torch.Tensor  # [tokens, value_dim]
     positions: torch.Tensor  # [tokens] int32 sequence indices
@@ -48,8 +53,16 @@ class RaggedKV:
         """Tokens held per (batch row, KV head), ``[batch, kv_heads]``."""
         return (self.offsets[1:] - self.offsets[:-1]).reshape(self.batch, self.kv_heads)
 
-    def attend(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def valid_counts(self) -> torch.Tensor:
+        """Tokens held per batch row (on KV head 0; padding is never kept)."""
+        return self.counts()[:, 0]
+
+    def attend(
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query [B, H_q, q, D]`` over every segment: ``(output [B, H_q, q, D], lse [B, H_q, q])``, fp32."""
+        if softcap is not None:
+            raise CacheUsageError(f"{self.kind} cannot serve soft-capped layers yet")
         batch, heads, q_len, _ = query.shape
         group = heads // self.kv_heads
         output = query.new_zeros(batch, heads, q_len, self.values.shape[-1], dtype=torch.float32)
@@ -70,8 +83,3 @@ class RaggedKV:
             output[b, heads_of_group] = torch.matmul(weights, self.values[start:end].float())
             lse[b, heads_of_group] = segment_lse
         return output, lse
-
-
-def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attention results over disjoint key sets: softmax over the union, exactly."""
-    return merge_with_lse(parts)[0]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvopt.cache.attention import attention_with_lse, visibility
+
 TOKEN_AXIS = 2
 
 
@@ -38,7 +40,13 @@ def slack_tokens(tokens: int) -> int:
 
 
 class DenseKVStore:
-    """Keys/values ``[batch, kv_heads, tokens, dim]`` with positions and validity ``[batch, kv_heads, tokens]``."""
+    """Keys/values ``[batch, kv_heads, tokens, dim]`` with positions and validity ``[batch, kv_heads, tokens]``.
+
+    A :class:`~kvopt.cache.part.KVPart`: the one that receives a layer's new tokens, read after the compact parts.
+    """
+
+    kind = "dense tokens"
+    read_order = 3
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -112,10 +120,25 @@ class DenseKVStore:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def valid_counts(self) -> torch.Tensor:
-        """Valid (non-padding) tokens held per batch row (counted on KV head 0)."""
+        """Valid (non-padding) tokens held per batch row (counted on KV head 0); no rows before the first append."""
         if self.is_empty:
             return torch.zeros(0, dtype=torch.long)
         return self.valid[:, 0].sum(dim=-1)
+
+    def mask_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions and validity for attention masks: one row for all heads while they hold the same
+        tokens (the mask broadcasts), validity None while every token is real (no mask needed)."""
+        heads = slice(0, 1) if self.heads_aligned else slice(None)
+        return self.positions[:, heads], None if self.all_valid else self.valid[:, heads]
+
+    def attend(
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
+        keys: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(output, lse)`` in fp32 over the stored tokens; ``keys`` replaces the stored keys when methods
+        present them otherwise (see :meth:`kvopt.methods.base.Method.read_keys`)."""
+        mask = visibility(*self.mask_rows(), query_positions)
+        return attention_with_lse(query, self.keys if keys is None else keys, self.values, mask, scaling, softcap)
 
     # -- writes --------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int, valid: torch.Tensor | None) -> None:

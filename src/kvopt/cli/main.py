@@ -1,10 +1,11 @@
-"""The ``kvopt`` command line: generate, memory, methods.
+"""The ``kvopt`` command line: generate, batch, memory, methods, eval, report, bench.
 
 User mistakes (bad spec, missing model, too-long prompt) print one line and exit with code 2.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,9 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvopt.cli.batch import batch
 from kvopt.errors import KVOptError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache optimization for Hugging Face causal LMs.")
+app = typer.Typer(add_completion=False, help="KV-cache optimization for Hugging Face causal LMs.")
 err = Console(stderr=True)
 console = Console()
 
@@ -24,24 +26,66 @@ ModelOption = Annotated[
     typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct"),
 ]
 MethodOption = Annotated[str, typer.Option("--method", help="method spec, e.g. full, window:size=1024")]
+#: Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
+def _exception_types(name: str) -> tuple[type[BaseException], ...]:
+    """Class ``name`` of every click that typer may run on: its bundled copy (typer >= 0.20) and click itself."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+USAGE_ERRORS = _exception_types("ClickException")
+ABORTS = (typer.Abort, *_exception_types("Abort"))
 
 
 def main() -> None:
+    """Run the CLI; anything but success is one line on stderr: usage errors and user mistakes exit 2, Ctrl-C 130."""
     try:
-        app(standalone_mode=False)
+        status = app(standalone_mode=False)
     except KVOptError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        err.print("aborted")
-        sys.exit(130)
-    except Exception as error:  # click usage errors carry their own exit code
-        import click
+        _fail(str(error), 2)
+    except (KeyboardInterrupt, *ABORTS):
+        _interrupted()
+    except USAGE_ERRORS as error:
+        _fail(_usage_message(error), error.exit_code)
+    if status == INTERRUPTED:  # typer turns Ctrl-C into this exit status when not standalone
+        _interrupted()
+    if isinstance(status, int) and status:
+        sys.exit(status)
 
-        if isinstance(error, click.ClickException):
-            error.show()
-            sys.exit(error.exit_code)
-        raise
+
+def _fail(message: str, status: int) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    sys.exit(status)
+
+
+def _interrupted() -> None:
+    err.print("interrupted", highlight=False)
+    sys.exit(INTERRUPTED)
+
+
+def _usage_message(error: Exception) -> str:
+    """Click's message on one line, pointing at the command's ``--help`` (click prints usage + hint + message)."""
+    message = " ".join(error.format_message().split()).rstrip(".")
+    context = getattr(error, "ctx", None)
+    command = context.command_path if context is not None else "kvopt"
+    return f"{message}; see `{command} --help`"
+
+
+@app.callback(invoke_without_command=True)
+def _root(context: typer.Context) -> None:
+    """KV-cache optimization for Hugging Face causal LMs."""
+    if context.invoked_subcommand is None:
+        console.print(context.get_help(), highlight=False, markup=False)
+        commands = ", ".join(sorted(context.command.commands))
+        raise KVOptError(f"no command given; run `kvopt COMMAND`, one of: {commands} (e.g. kvopt generate \"Hello\")")
 
 
 @app.command()
@@ -71,9 +115,9 @@ def _echo(text: str) -> None:
 @app.command()
 def memory(
     model: ModelOption = None,
-    layers: Annotated[Optional[int], typer.Option(help="layers (explicit shape instead of --model)")] = None,
-    kv_heads: Annotated[Optional[int], typer.Option(help="KV heads per layer (GQA)")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(help="dimension of one head")] = None,
+    layers: Annotated[Optional[int], typer.Option(min=1, help="layers (explicit shape instead of --model)")] = None,
+    kv_heads: Annotated[Optional[int], typer.Option(min=1, help="KV heads per layer (GQA)")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(min=1, help="dimension of one head")] = None,
     dtype: Annotated[str, typer.Option(help="KV dtype: float16, bfloat16, float32")] = "float16",
     seq_len: Annotated[int, typer.Option(min=1, help="tokens per sequence")] = 2048,
     batch: Annotated[int, typer.Option(min=1, help="sequences")] = 1,
@@ -92,12 +136,10 @@ def memory(
         info = ModelInfo(layers, kv_heads, kv_heads, head_dim, dtype=torch_dtype)
         source = f"{layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
     else:
-        from transformers import AutoConfig
-
-        from kvopt.models.loading import resolve_model_dir
+        from kvopt.models.loading import load_config, resolve_model_dir
 
         folder = _model_folder(model, resolve_model_dir)
-        info = ModelInfo.from_config(AutoConfig.from_pretrained(folder, local_files_only=True), dtype=torch_dtype)
+        info = ModelInfo.from_config(load_config(folder), dtype=torch_dtype)
         source = f"{model or 'SmolLM2-135M-Instruct (default)'}: {info.num_layers} layers, {info.num_heads} query / {info.num_kv_heads} KV heads, head_dim {info.head_dim}"
     methods = parse(method) if method else []
     for m in methods:
@@ -241,6 +283,9 @@ def list_methods(
         "(the papers' convention). Quantizers keep every token in fewer bits; methods compose with '+'.",
         highlight=False,
     )
+
+
+app.command("batch")(batch)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from kvopt.errors import KVOptError
 from kvopt.eval.contenders import parse_contender
 from kvopt.eval.decoding import QUERY_AWARE, run_prompt
+from kvopt.eval.rows import BENCH_ROW_KEYS, load_rows
+from kvopt.paths import writable_file
 
 BENCH_FILE = "bench.jsonl"
 
@@ -36,8 +39,16 @@ def run_bench(
     from kvopt.eval.tasks.text import real_text
     from kvopt.models.loading import load_model
 
+    if not lengths or any(length < 1 for length in lengths):
+        raise KVOptError("--lengths needs positive prompt lengths in tokens; use e.g. --lengths 512,2048")
+    if new_tokens < 2 or repeats < 1:
+        raise KVOptError(
+            f"--new-tokens={new_tokens} and --repeats={repeats} must be at least 2 and 1; a decode speed needs two tokens"
+        )
     specs = methods if "hf" in methods else ["hf", *methods]
     contenders = [parse_contender(spec) for spec in specs]
+    path = writable_file(Path(out_dir) / BENCH_FILE, "--out")  # before minutes of measuring
+    earlier = load_rows(path, BENCH_ROW_KEYS)
     model, tokenizer = loaded or load_model(model_name)
     text, _ = real_text()
     all_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -64,9 +75,6 @@ def run_bench(
                     }
                 )
                 log(f"{length:>6} {contender.spec:<28} prefill {outcome.prefill_s:6.2f} s  decode {outcome.decode_tok_s:6.2f} tok/s")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / BENCH_FILE
-    earlier = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     kept = [row for row in earlier if row["length"] not in lengths]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
     return rows

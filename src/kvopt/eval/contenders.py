@@ -58,7 +58,7 @@ class Contender:
         """A fresh cache, with the model's attention set the way this contender needs it."""
         from transformers import DynamicCache
 
-        from kvopt.cache import build_cache
+        from kvopt.api import build_cache
 
         if self.family == "kvopt":
             return build_cache(self.spec, model)

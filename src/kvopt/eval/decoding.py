@@ -55,7 +55,7 @@ class SharedPrefill:
 @torch.inference_mode()
 def shared_prefill(model, prompt_ids: list[int]) -> SharedPrefill:
     """Prefill ``prompt_ids`` once with a recording cache (see :meth:`KVCache.replay_prefill`)."""
-    from kvopt.cache import record_prefill
+    from kvopt.methods.recording import record_prefill
 
     started = time.perf_counter()
     ids = torch.as_tensor(prompt_ids, device=model.device)[None]

@@ -8,7 +8,6 @@ plots group specs by ``method_name`` so a method's budgets form one line.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -19,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kvopt.errors import KVOptError
+from kvopt.eval.rows import BENCH_ROW_KEYS, EVAL_ROW_KEYS, Row, load_rows
 from kvopt.memory import human_bytes
+from kvopt.paths import writable_file
 
 #: Method names that are the uncompressed reference; "hf" first because it is what users compare to.
 BASELINES = ("hf", "full")
@@ -34,38 +35,11 @@ CAVEAT = (
     "intervals in brackets, not the means."
 )
 
-Row = dict[str, Any]
 #: What sections say when their results are absent (an earlier run's section may replace them).
 NO_BENCH = "No bench.jsonl rows: no speed measurements in this run."
 NO_TASKS = "No scored task rows in eval.jsonl."
 NO_PLOTS = "Skipped: matplotlib is not installed (`pip install 'kvopt[plot]'`)."
 PLACEHOLDERS = (NO_BENCH, NO_TASKS, NO_PLOTS)
-
-
-def load_rows(path: Path) -> list[Row]:
-    """Rows of a JSONL file; ``[]`` if it is missing, so a partial run still gets a report.
-
-    Blank lines are skipped; a corrupt line raises rather than being dropped, because silently
-    losing rows would bias the means.
-    """
-    path = Path(path)
-    if not path.is_file():
-        return []
-    rows = []
-    with path.open(encoding="utf-8-sig") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise KVOptError(
-                    f"{path}, line {number}: not valid JSON ({exc.msg}); fix or delete that line"
-                ) from None
-            if not isinstance(row, dict):
-                raise KVOptError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -651,12 +625,12 @@ def write_report(results_dir: Path, out_dir: Path, title: str | None = None) -> 
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     if not results_dir.is_dir():
         raise KVOptError(f"results folder {results_dir} does not exist; pass the folder holding eval.jsonl")
-    eval_rows = load_rows(results_dir / "eval.jsonl")
-    bench = load_rows(results_dir / "bench.jsonl")
+    report = writable_file(out_dir / "REPORT.md", "--out")
+    eval_rows = load_rows(results_dir / "eval.jsonl", EVAL_ROW_KEYS)
+    bench = load_rows(results_dir / "bench.jsonl", BENCH_ROW_KEYS)
     tasks = [r for r in eval_rows if r.get("score") is not None and r.get("task") != "ppl"]
     ppl_rows = [r for r in eval_rows if r.get("ppl") is not None]
     methods = _methods(eval_rows + bench)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     lines = _header(title or "kvopt evaluation report", results_dir, eval_rows, tasks, bench)
     if not eval_rows:
@@ -667,7 +641,6 @@ def write_report(results_dir: Path, out_dir: Path, title: str | None = None) -> 
     lines += _ppl_section(ppl_rows, methods)
     lines += _bench_section(bench, methods)
     lines += _plots_section(tasks, bench, methods, out_dir)
-    report = out_dir / "REPORT.md"
     report.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return report
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from kvopt.errors import ContextTooLongError, KVOptError
 from kvopt.eval.contenders import Contender, parse_contender
 from kvopt.eval.decoding import MODES, QUERY_AGNOSTIC, prefill_prompt, run_prompt, shared_prefill, stop_token_ids
+from kvopt.eval.rows import EVAL_ROW_KEYS, load_rows
+from kvopt.paths import writable_file
 
 PPL_TASK = "ppl"
 RESULTS_FILE = "eval.jsonl"
@@ -49,6 +51,22 @@ class EvalGrid:
             raise KVOptError(f"unknown mode(s) {', '.join(bad_modes)}; choose from {', '.join(MODES)}")
         if self.depths < 1 or self.samples < 1:
             raise KVOptError("--depths and --samples must be at least 1")
+        for option, values, example in (("--task", self.tasks, "passkey"), ("--methods", self.methods, "full"),
+                                        ("--mode", self.modes, QUERY_AGNOSTIC)):  # fmt: skip
+            if not values:
+                raise KVOptError(f"{option} is empty: nothing would run; give at least one, e.g. {option} {example}")
+        if any(t != PPL_TASK for t in self.tasks) and not self.lengths:
+            raise KVOptError("--lengths is empty; give prompt lengths in tokens, e.g. --lengths 1024,2048")
+        if any(length < 1 for length in self.lengths):
+            lengths = ",".join(map(str, self.lengths))
+            raise KVOptError(
+                f"--lengths {lengths}: prompt lengths must be positive token counts; use e.g. --lengths 1024,2048"
+            )
+        if self.ppl_tokens < 2 or self.ppl_chunk < 1:
+            raise KVOptError(
+                f"--ppl-tokens={self.ppl_tokens} and --ppl-chunk={self.ppl_chunk} must be at least 2 and 1 "
+                "(perplexity scores each token from the ones before it)"
+            )
         longest = max([*self.lengths, self.ppl_tokens if PPL_TASK in self.tasks else 0])
         if max_positions is not None and longest > max_positions:
             raise ContextTooLongError(
@@ -70,16 +88,8 @@ def row_key(row: dict) -> tuple:
 
 
 def load_done(path: Path) -> set[tuple]:
-    if not path.exists():
-        return set()
-    done = set()
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                done.add(row_key(json.loads(line)))
-            except json.JSONDecodeError:
-                raise KVOptError(f"{path}:{number} is not valid JSON; delete that line to resume") from None
-    return done
+    """Keys of the rows already in ``path`` (a row without its identifying fields is an error, not a skip)."""
+    return {row_key(row) for row in load_rows(path, EVAL_ROW_KEYS)}
 
 
 def run_eval(
@@ -97,6 +107,8 @@ def run_eval(
 
     contenders = [parse_contender(spec) for spec in grid.methods]
     grid.validate(None)  # user mistakes fail before the model loads
+    path = writable_file(Path(out_dir) / RESULTS_FILE, "--out")
+    done = load_done(path)
     model, tokenizer = loaded or load_model(model_name)
     label = model_name or "SmolLM2-135M-Instruct"
     grid.validate(ModelInfo.from_config(model.config).max_positions)
@@ -108,9 +120,6 @@ def run_eval(
         else:
             runnable.append(contender)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / RESULTS_FILE
-    done = load_done(path)
     jobs = [job for job in _jobs(grid, runnable, label, TASKS) if row_key(job["row"]) not in done]
     stop_ids = stop_token_ids(tokenizer, model)
     samples: dict[tuple, tuple] = {}

@@ -8,6 +8,7 @@ Adding a method is one small file: subclass :class:`Method`, decorate with :func
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -87,8 +88,12 @@ class Method:
         changes how tokens are stored (quantization, merging); None leaves the full-precision size."""
         return None
 
-    def prepare(self, model) -> None:
-        """One-time set-up with the model in hand, when a cache is built (e.g. a calibration)."""
+    def prepare(self, model, calibration_text: Callable[[], str]) -> None:
+        """One-time set-up with the model in hand, when a cache is built (e.g. a calibration).
+
+        ``calibration_text()`` returns the text to calibrate on; the caller decides where it comes
+        from (methods import nothing above themselves), and a method that needs none never calls it.
+        """
 
     def spec(self) -> str:
         """The spec string that rebuilds this method (parameters left at their default are omitted)."""

@@ -26,6 +26,8 @@ from typing import ClassVar
 
 import torch
 
+from kvopt.cache.quantized import QuantizedKV
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import Method, require_positive, require_ratio
 
@@ -78,11 +80,11 @@ class Eviction(Method):
     def after_attention(self, layer, step) -> None:
         if self.schedule == "prefill" and not step.is_prefill:
             return
-        if layer.prefix is not None:
+        if layer.parts_of(RaggedKV):
             raise CacheUsageError(
                 f"{self.name} cannot act after adakv's head-wise compression; use one of them, or put {self.name} first"
             )
-        if layer.quantized:
+        if layer.parts_of(QuantizedKV):
             raise CacheUsageError(
                 f"{self.name} cannot evict quantized tokens; put {self.name} before kivi in the spec, and use a "
                 "prefill-time method (snapkv, pyramidkv, ...) with kivi"

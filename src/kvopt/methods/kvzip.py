@@ -29,6 +29,7 @@ from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction, keep_top
+from kvopt.methods.scores import attention_probs, grouped_attention_output
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -58,6 +59,11 @@ class KVzip(Eviction):
         if self.budgets not in ("global", "layer"):
             raise MethodParameterError(f"kvzip: budgets={self.budgets!r} must be 'global' or 'layer'")
 
+    @property
+    def storage(self) -> str | None:
+        """One ranking over all layers moves the survivors into ragged storage (:func:`kvopt.methods.spec.storage`)."""
+        return "ragged" if self.budgets == "global" else None
+
     def after_attention(self, layer, step) -> None:
         """Nothing during the prefill itself: scoring needs the whole context cached first."""
 
@@ -69,7 +75,7 @@ class KVzip(Eviction):
             attention_mask = torch.ones_like(input_ids)
         for layer in cache.layers:
             layer.store.add_extra(EXTRA)
-            layer.scoring = EXTRA
+            layer.scoring = score_reconstruction
         try:
             for prompt_ids, chunk_ids, chunk_mask in self._reconstruction_chunks(tokenizer, input_ids, attention_mask):
                 prompt = torch.as_tensor(prompt_ids, device=input_ids.device).expand(batch, -1)
@@ -125,3 +131,17 @@ class KVzip(Eviction):
         for index, layer in enumerate(layers):
             first = index * heads
             layer.to_ragged([selected[row * columns + first + head] for row in range(batch) for head in range(heads)])
+
+
+def score_reconstruction(layer, step, softcap: float | None) -> torch.Tensor:
+    """Attend, and raise each older token's score to the max attention the new queries pay it.
+
+    The layer's scoring hook (:attr:`KVLayer.scoring`) during the reconstruction pass: one explicit
+    softmax serves both the scores and the output (no second attention pass).
+    """
+    store = layer.store
+    probs = attention_probs(layer, step, softcap=softcap)  # [B, H_kv, g, q, T]
+    old = len(store) - step.query.shape[-2]
+    extra = store.extra(EXTRA)[..., :old]
+    torch.maximum(extra, probs[..., :old].amax(dim=(2, 3)), out=extra)
+    return grouped_attention_output(probs, store.values).to(step.query.dtype).contiguous()

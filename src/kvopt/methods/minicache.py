@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvopt.cache.merged import MergedPair, PlainKV, slerp_merge
+from kvopt.cache.merged import MergedPair, MergedView, PlainKV, slerp_merge
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
@@ -95,12 +95,8 @@ class MiniCache(Method):
         return share + dense_bytes(kept_tokens - merged, heads, dim, element_bytes, layer.evicted)
 
     def after_attention(self, layer, step) -> None:
-        role = self.roles.get(layer.index)
-        if role is None:
-            return
-        layer.pair_role = role
-        if role == 0:
-            return  # the deeper layer of the pair merges both
+        if self.roles.get(layer.index) != 1:
+            return  # not merged, or the shallower layer of a pair: the deeper one merges both
         first, store = layer.siblings[layer.index - 1], layer.store
         quantizer = next((m for m in layer.methods if m.name == "kivi"), None)
         unit = quantizer.group if quantizer is not None else 1
@@ -111,10 +107,12 @@ class MiniCache(Method):
         if len(other) != len(store) or not torch.equal(other.positions[..., :count], store.positions[..., :count]):
             return  # the two layers hold different tokens (layer-wise eviction): leave them unmerged
         pair = self._merge(other, store, count, quantizer, layer.dtype)
-        if layer.merged is None:
-            first.merged = layer.merged = pair
+        views = layer.parts_of(MergedView)
+        if views:
+            views[0].pair.extend(pair)  # shared: the first layer's view sees the new tokens too
         else:
-            layer.merged.extend(pair)
+            first.add_part(MergedView(pair, role=0))
+            layer.add_part(MergedView(pair, role=1))
         other.drop_oldest(count)
         store.drop_oldest(count)
 

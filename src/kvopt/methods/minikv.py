@@ -9,8 +9,9 @@ eviction for MiniKV's full recipe: ``pyramidkv:ratio=0.75+minikv`` (pyramidal la
 or ``snapkv:ratio=0.75+minikv``.
 
 Calibration runs once per model when a cache is built (one prefill of ``calibration`` tokens of
-local prose, the evaluation's real text, then one pass over its last 128 tokens per layer), and
-is stored under ``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters.
+the text the caller supplies -- :func:`kvopt.api.build_cache` gives local prose, the evaluation's
+real text -- then one pass over its last 128 tokens per layer), and is stored under
+``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters.
 Deviations: MiniKV quantizes every layer to 2 bits and varies the eviction budget by layer;
 its selective flash-attention kernel is not reproduced (scores come from the eviction method).
 """
@@ -20,13 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache import KVCache
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.quantization import Quantization
+from kvopt.methods.recording import record_prefill
 
 #: Tokens at the end of the calibration text whose loss is measured (the rest is the quantized context).
 SCORED_TOKENS = 128
@@ -77,9 +81,9 @@ class MiniKV(Quantization):
         super().check_model(model)
         self.high_count = self.high_layers(model.num_layers)
 
-    def prepare(self, model) -> None:
+    def prepare(self, model, calibration_text: Callable[[], str]) -> None:
         if self.layer_bits is None:
-            self.layer_bits = load_or_calibrate(self, model)
+            self.layer_bits = load_or_calibrate(self, model, calibration_text)
 
     def after_attention(self, layer, step) -> None:
         bits = self.layer_bits[step.module.layer_idx] if self.layer_bits is not None else None
@@ -94,15 +98,13 @@ def sensitivities(method: MiniKV, model, ids: torch.Tensor) -> list[float]:
     The context is prefilled once and replayed into each probe cache (methods act after
     attention, so this equals a prefill per probe); only the scored tokens run per layer.
     """
-    from kvopt.cache import build_cache, record_prefill
-
     context, scored = ids[:, :-SCORED_TOKENS], ids[:, -SCORED_TOKENS:]
     recorded, _ = record_prefill(model, context, logits_to_keep=1)
 
     def log_probs(layer_bits: list[int | None]) -> torch.Tensor:
         probe = MiniKV(low=method.low, high=method.high, group=method.group, residual=0)
-        probe.layer_bits = layer_bits
-        cache = build_cache([probe], model)
+        probe.layer_bits = layer_bits  # calibrated: the probe needs no set-up of its own
+        cache = KVCache.for_model([probe], model)
         cache.replay_prefill(recorded)
         with torch.no_grad():
             return torch.log_softmax(model(scored, past_key_values=cache).logits[0].float(), dim=-1)
@@ -127,11 +129,10 @@ def assign_bits(method: MiniKV, scores: list[float]) -> list[int | None]:
     return [None if scores[i] == -math.inf else method.high if i in high else method.low for i in range(len(scores))]
 
 
-def load_or_calibrate(method: MiniKV, model) -> list[int | None]:
-    """Calibrated bits for ``model``, from the cache folder or computed now on local real text."""
+def load_or_calibrate(method: MiniKV, model, calibration_text: Callable[[], str]) -> list[int | None]:
+    """Calibrated bits for ``model``, from the cache folder or computed now on ``calibration_text()``."""
     from transformers import AutoTokenizer
 
-    from kvopt.eval.tasks.text import real_text
     from kvopt.models.loading import cache_dir
 
     source = getattr(model, "name_or_path", "") or ""
@@ -149,7 +150,8 @@ def load_or_calibrate(method: MiniKV, model) -> list[int | None]:
     path = cache_dir() / "minikv" / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())["layer_bits"]
-    ids = tokenizer(real_text()[0], add_special_tokens=False, return_tensors="pt")["input_ids"][:, : method.calibration]
+    text = calibration_text()
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, : method.calibration]
     scores = sensitivities(method, model, ids.to(model.device))
     bits = assign_bits(method, scores)
     path.parent.mkdir(parents=True, exist_ok=True)

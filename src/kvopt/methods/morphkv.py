@@ -73,7 +73,7 @@ class MorphKV(Eviction):
         kv_heads = store.keys.shape[1]
         last = min(new, self.window)
         queries = step.query[:, :, -last:].float().reshape(batch, kv_heads, heads // kv_heads, last, dim).sum(dim=2)
-        valid = store.valid[:, 0, -new:][:, -last:]  # the new tokens are the newest slots
+        valid = self._query_validity(store, step.query_positions[-last:])
         if not step.is_prefill and key in layer.state:
             old_queries, old_valid = layer.state[key]
             if old_queries.shape[0] != batch:
@@ -81,6 +81,16 @@ class MorphKV(Eviction):
             queries = torch.cat([old_queries, queries], dim=2)[:, :, -self.window :]
             valid = torch.cat([old_valid, valid], dim=1)[:, -self.window :]
         layer.state[key] = (queries.contiguous(), valid.clone())
+
+    @staticmethod
+    def _query_validity(store, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, queries]``: whether each query's token is real and still stored (it votes, else not)."""
+        newest = store.positions[:, 0, -positions.numel() :]
+        if newest.shape[-1] == positions.numel() and bool((newest == positions).all()):
+            return store.valid[:, 0, -positions.numel() :]  # the new tokens are the newest slots
+        # An earlier method of the spec evicted some of this step's tokens: match them by position.
+        stored = (store.positions[:, 0, :, None] == positions) & store.valid[:, 0, :, None]
+        return stored.any(dim=1)
 
     def score(self, layer, step) -> torch.Tensor:
         store = layer.store

@@ -26,6 +26,8 @@ class Quantization(Method):
     residual: int = field(default=128, metadata={"help": "full-precision tokens held before whole groups are quantized"})
 
     budget_convention = "keeps every token; stores older ones in fewer bits"
+    #: Tokens leaving the residual move out of the dense store (see :func:`kvopt.methods.spec.storage`).
+    storage = "quantized"
     #: How keys are grouped: per channel over tokens (KIVI) or per token over channels.
     key_mode = "channel"
     #: Whether all KV heads quantize the same tokens (one position row for all heads).

@@ -35,8 +35,11 @@ def attention_probs(layer, step, last: int | None = None, softcap: float | None 
         logits = torch.tanh(logits / softcap) * softcap
     key_positions = store.positions[:, :, None, None, :]
     query_positions = query_positions.to(key_positions.dtype)[None, None, None, :, None]
-    newest_stored = store.positions[:, :, -queries:]
-    if layer.sliding_window is None and bool((newest_stored == query_positions[0, 0, 0, :, 0]).all()):
+    newest_stored = store.positions[:, :, -queries:]  # fewer than the queries after an earlier method's eviction
+    newest_are_queries = newest_stored.shape[-1] == queries and bool(
+        (newest_stored == query_positions[0, 0, 0, :, 0]).all()
+    )
+    if layer.sliding_window is None and newest_are_queries:
         # The queries are the newest stored tokens: older slots need only their validity bit,
         # only the last ``queries`` slots need the causal mask (far less masking work).
         if not store.all_valid:

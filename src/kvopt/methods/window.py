@@ -31,6 +31,12 @@ class Window(Method):
     size: int = field(default=1024, metadata={"help": "tokens kept per sequence and layer"})
     ratio: float | None = field(default=None, metadata={"help": "fraction of prefill tokens removed (overrides size)"})
 
+    @property
+    def schedule(self) -> str:
+        """When it evicts (see :func:`kvopt.methods.spec.evicts_while_decoding`): ``ratio`` fixes the kept
+        share at the prefill and adds later tokens on top; ``size`` evicts at every step."""
+        return "prefill" if self.ratio is not None else "decode"
+
     def validate(self) -> None:
         require_positive(self, "size")
         if self.ratio is not None:

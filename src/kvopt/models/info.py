@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.errors import CacheUsageError, KVOptError, ModelShapeError
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -24,8 +26,34 @@ class ModelInfo:
     sliding_windows: tuple[int | None, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:  # a zero or negative shape gives no size, or a negative one
+                raise ModelShapeError(f"{name}={value!r} must be a positive integer (a model has at least one)")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelShapeError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "each KV head serves a whole group of query heads"
+            )
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ModelShapeError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers; "
+                "give one per layer"
+            )
+
+    def check_keys(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Refuse keys ``[batch, kv_heads, tokens, head_dim]`` of a model with another shape than this one
+        (a cache built for one model and used with another would fail with an IndexError, or worse)."""
+        heads, dim = key_states.shape[1], key_states.shape[-1]
+        if layer_idx < self.num_layers and heads == self.num_kv_heads and dim == self.head_dim:
+            return
+        raise CacheUsageError(
+            f"this cache was built for a model of {self.num_layers} layers with {self.num_kv_heads} KV heads of "
+            f"dimension {self.head_dim}, but it is updated with layer {layer_idx} of {heads} KV heads of dimension "
+            f"{dim}; a cache serves one model: build one for this model with kvopt.cache(spec, model)"
+        )
 
     @property
     def group_size(self) -> int:
@@ -75,7 +103,5 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        from kvopt.errors import KVOptError
-
         raise KVOptError(f"unknown dtype {name!r}; use float16, bfloat16, float32 or float8")
     return _DTYPES[name]

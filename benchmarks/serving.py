@@ -1,0 +1,371 @@
+"""The serving engine next to HF on the default model: throughput, prefix caching, capacity, latency.
+
+    python benchmarks/serving.py                       # every step (~40 min on 2 cores)
+    python benchmarks/serving.py --steps prefix        # one step; its rows replace that step's old rows
+
+Rows go to benchmarks/results/serving.jsonl (committed, so BENCHMARKS.md can be recomposed or
+one step re-run on another machine); ``benchmarks/run.py`` turns them into its engine section.
+All systems run in this one process, on the same prompts, one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ROOT / "benchmarks" / "results" / "serving.jsonl"
+STEPS = ("throughput", "prefix", "capacity", "latency")
+
+
+def real_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    """``count`` windows of local real text, each ``low``-``high`` tokens long."""
+    from kvopt.eval.tasks.text import real_text
+
+    ids = tokenizer(real_text()[0], add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        length = rng.randint(low, high)
+        start = rng.randrange(len(ids) - length)
+        prompts.append(ids[start : start + length])
+    return prompts
+
+
+def hf_model():
+    """The default model with HF's own SDPA attention (the peers' configuration)."""
+    from kvopt import load_model
+
+    model, tokenizer = load_model()
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+def engine(kv_memory, **options):
+    from kvopt.engine import LLM
+
+    return LLM(kv_memory=kv_memory, **options)
+
+
+def greedy(new_tokens: int):
+    from kvopt.engine import SamplingParams
+
+    return SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+
+# -- throughput -------------------------------------------------------------------------------
+def throughput(args) -> list[dict]:
+    model, tokenizer = hf_model()
+    prompts = real_prompts(tokenizer, args.requests, 100, 1000)
+    new, rows = args.new_tokens, []
+    base = {"step": "throughput", "requests": len(prompts), "new_tokens": new,
+            "prompt_tokens": sum(map(len, prompts))}  # fmt: skip
+
+    llm = engine(args.kv_memory, max_num_seqs=args.max_num_seqs)
+    waste = []
+    start = time.perf_counter()
+    outputs = _generate_sampling_waste(llm, prompts, greedy(new), waste)
+    seconds = time.perf_counter() - start
+    ours = [out.outputs[0].token_ids for out in outputs]
+    metrics = llm.metrics()
+    rows.append(base | {"system": "kvopt.LLM", "seconds": seconds, "tok_s": len(prompts) * new / seconds,
+                        "waste_steady": statistics.median(waste) if waste else None,
+                        "preemptions": metrics["num_preemptions_total"]})  # fmt: skip
+    print(rows[-1])
+    pool_bytes = llm.engine.runner.pool.nbytes()
+    del llm
+
+    start, same = time.perf_counter(), 0
+    pad = tokenizer.pad_token_id
+    for first in range(0, len(prompts), 8):
+        batch = prompts[first : first + 8]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)  # fmt: skip
+        same += sum(out[i, width:].tolist() == ours[first + i] for i in range(len(batch)))
+    seconds = time.perf_counter() - start
+    rows.append(base | {"system": "HF static batches of 8", "seconds": seconds, "tok_s": len(prompts) * new / seconds,
+                        "same_as_kvopt": same})  # fmt: skip
+    print(rows[-1])
+
+    count = min(args.sequential_requests, len(prompts))
+    start, same = time.perf_counter(), 0
+    for index, prompt in enumerate(prompts[:count]):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)  # fmt: skip
+        same += out[0, len(prompt) :].tolist() == ours[index]
+    seconds = time.perf_counter() - start
+    rows.append(base | {"system": "HF generate, one request at a time", "requests": count, "seconds": seconds,
+                        "tok_s": count * new / seconds, "same_as_kvopt": same})  # fmt: skip
+    print(rows[-1])
+
+    if args.generate_batch:
+        rows.append(base | _generate_batch(model, prompts, new, pool_bytes, ours))
+        print(rows[-1])
+    return rows
+
+
+def _generate_sampling_waste(llm, prompts, params, waste: list[float]):
+    """``llm.generate`` through the engine core, recording memory waste at steady state (pool half full or more)."""
+    core = llm.engine
+    for index, prompt in enumerate(prompts):
+        core.add_request(str(index), prompt, params)
+    finished = {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.finished:
+                finished[output.request_id] = output
+        metrics = core.metrics()
+        if metrics["num_requests_running"] >= len(prompts) // 2 or metrics["kv_cache_usage_perc"] >= 0.5:
+            waste.append(metrics["kv_memory_waste_perc"])
+    return [finished[str(index)] for index in range(len(prompts))]
+
+
+def _generate_batch(model, prompts, new: int, pool_bytes: int, ours) -> dict:
+    """transformers' continuous batching (``generate_batch``, paged attention) with the same pool bytes."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvopt.models.info import ModelInfo
+
+    info = ModelInfo.from_config(model.config)
+    page = ContinuousBatchingConfig().page_size
+    page_bytes = 2 * info.num_layers * info.num_kv_heads * info.head_dim * page * model.dtype.itemsize
+    config = ContinuousBatchingConfig(num_blocks=max(1, pool_bytes // page_bytes))
+    generation = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                  pad_token_id=model.config.pad_token_id or 0)  # fmt: skip
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=prompts, generation_config=generation,
+                                       continuous_batching_config=config, warmup=False)  # fmt: skip
+    seconds = time.perf_counter() - start
+    outputs = [results[key].generated_tokens for key in sorted(results, key=lambda k: int(k.split("_")[-1]))]
+    same = sum(list(out) == mine for out, mine in zip(outputs, ours))
+    return {"system": "transformers generate_batch", "seconds": seconds, "tok_s": len(prompts) * new / seconds,
+            "same_as_kvopt": same, "pool_bytes": config.num_blocks * page_bytes}  # fmt: skip
+
+
+# -- prefix caching -------------------------------------------------------------------------
+def prefix(args) -> list[dict]:
+    """TTFT of a 50-token question after a 2,000-token shared system prompt: cold cache vs warm."""
+    from kvopt import load_model
+
+    _, tokenizer = load_model()
+    system = real_prompts(tokenizer, 1, 2000, 2000, seed=1)[0]
+    questions = real_prompts(tokenizer, 2 * args.prefix_repeats, 50, 50, seed=2)
+    rows = []
+    for repeat in range(args.prefix_repeats):
+        llm = engine(args.kv_memory)
+        one = greedy(1)
+        cold = llm.generate([system + questions[2 * repeat]], one, use_tqdm=False)[0]
+        warm = llm.generate([system + questions[2 * repeat + 1]], one, use_tqdm=False)[0]
+        rows.append({"step": "prefix", "repeat": repeat, "system_tokens": len(system), "question_tokens": 50,
+                     "cold_ttft": cold.metrics.time_to_first_token, "warm_ttft": warm.metrics.time_to_first_token,
+                     "warm_cached_tokens": warm.metrics.cached_tokens})  # fmt: skip
+        print(rows[-1])
+    return rows
+
+
+# -- capacity -------------------------------------------------------------------------------
+def capacity(args) -> list[dict]:
+    """How many 4k-token sequences run at once in a 256 MB pool, and the throughput they reach."""
+    rows = []
+    for spec in args.capacity_methods.split(";"):
+        llm = engine(args.capacity_memory, kv_method=spec, max_num_seqs=64, max_model_len=4096 + args.capacity_new)
+        prompts = real_prompts(llm.tokenizer, args.capacity_requests, 4096, 4096, seed=3)
+        core, peak = llm.engine, 0
+        for index, prompt in enumerate(prompts):
+            core.add_request(str(index), prompt, greedy(args.capacity_new))
+        start = time.perf_counter()
+        while core.has_unfinished_requests():
+            core.step()
+            peak = max(peak, core.metrics()["num_requests_running"])
+        seconds = time.perf_counter() - start
+        metrics = core.metrics()
+        rows.append({"step": "capacity", "method": spec, "pool_bytes": core.runner.pool.nbytes(),
+                     "sequence_tokens": 4096 + args.capacity_new, "concurrent": peak,
+                     "requests": len(prompts), "tok_s": len(prompts) * args.capacity_new / seconds,
+                     "preemptions": metrics["num_preemptions_total"]})  # fmt: skip
+        print(rows[-1])
+    return rows
+
+
+# -- latency under load -------------------------------------------------------------------------
+def latency(args) -> list[dict]:
+    """TTFT and inter-token latency percentiles when requests arrive as a Poisson process."""
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        llm = engine(args.kv_memory)
+        prompts = real_prompts(llm.tokenizer, args.latency_requests, 100, 1000, seed=4)
+        rng = random.Random(5)
+        arrivals, clock = [], 0.0
+        for _ in prompts:
+            clock += rng.expovariate(rate)
+            arrivals.append(clock)
+        core, start, submitted = llm.engine, time.perf_counter(), 0
+        while submitted < len(prompts) or core.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while submitted < len(prompts) and arrivals[submitted] <= now:
+                core.add_request(str(submitted), prompts[submitted], greedy(args.latency_new))
+                submitted += 1
+            if core.has_unfinished_requests():
+                core.step()
+            else:
+                time.sleep(min(0.05, arrivals[submitted] - now))
+        metrics = core.metrics()
+        ttft, itl = metrics["time_to_first_token_seconds"], metrics["inter_token_latency_seconds"]
+        rows.append({"step": "latency", "rate": rate, "requests": len(prompts), "new_tokens": args.latency_new,
+                     "ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "itl_p50": itl["p50"], "itl_p99": itl["p99"],
+                     "seconds": time.perf_counter() - start})  # fmt: skip
+        print(rows[-1])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--kv-memory", default="1GB")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--sequential-requests", type=int, default=16,
+                        help="HF one-at-a-time runs this many of the requests (its rate does not depend on the count)")
+    parser.add_argument("--generate-batch", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prefix-repeats", type=int, default=3)
+    parser.add_argument("--capacity-memory", default="256MB")
+    parser.add_argument("--capacity-methods", default="full")
+    parser.add_argument("--capacity-requests", type=int, default=8)
+    parser.add_argument("--capacity-new", type=int, default=32)
+    parser.add_argument("--rates", default="0.1,0.25,0.5")
+    parser.add_argument("--latency-requests", type=int, default=24)
+    parser.add_argument("--latency-new", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    steps = args.steps.split(",")
+    unknown = set(steps) - set(STEPS)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; choose from {','.join(STEPS)}")
+    for step in steps:
+        started = time.perf_counter()
+        rows = globals()[step](args)
+        save(step, rows, time.perf_counter() - started)
+
+
+def save(step: str, rows: list[dict], seconds: float) -> None:
+    """Replace ``step``'s rows in the committed JSONL (other steps' rows stay)."""
+    ROWS.parent.mkdir(parents=True, exist_ok=True)
+    kept = [json.loads(line) for line in ROWS.read_text().splitlines()] if ROWS.exists() else []
+    kept = [row for row in kept if row["step"] != step and row.get("timed") != step]
+    stamp = {"step": "timing", "timed": step, "seconds": seconds, "date": time.strftime("%Y-%m-%d")}
+    ROWS.write_text("".join(json.dumps(row) + "\n" for row in [*kept, *rows, stamp]))
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- the BENCHMARKS.md section ------------------------------------------------------------------
+def section(path: Path = ROWS) -> list[str]:
+    """Markdown for the engine's rows (empty when none were measured)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    timed = {row["timed"]: row for row in rows if row["step"] == "timing"}
+    lines = ["## Serving engine: `kvopt.LLM` next to HF", ""]
+    if timed:
+        dates = sorted({row["date"] for row in timed.values()})
+        minutes = ", ".join(f"{step} {row['seconds'] / 60:.1f} min" for step, row in timed.items())
+        lines += [f"Measured {' / '.join(dates)} with `python benchmarks/serving.py` (rows: "
+                  f"`benchmarks/results/serving.jsonl`; {minutes}). Default model (fp32), 2 threads, greedy, "
+                  "every system in one process on the same prompts of local real text.", ""]  # fmt: skip
+    lines += _throughput_lines([r for r in rows if r["step"] == "throughput"])
+    lines += _prefix_lines([r for r in rows if r["step"] == "prefix"])
+    lines += _capacity_lines([r for r in rows if r["step"] == "capacity"])
+    lines += _latency_lines([r for r in rows if r["step"] == "latency"])
+    return lines
+
+
+def _throughput_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    ours = next(r for r in rows if r["system"] == "kvopt.LLM")
+    lines = [
+        f"### Throughput: {ours['requests']} requests of 100-1,000 tokens ({ours['prompt_tokens']:,} prompt tokens), "
+        f"{ours['new_tokens']} new tokens each",
+        "",
+        "Output tokens per second over the whole run (prefill included). `HF generate, one request at a time` runs "
+        "a subset of the requests (its rate does not depend on how many); `same outputs` counts requests whose "
+        "tokens equal kvopt's. transformers' `generate_batch` gets a pool of the same bytes as kvopt's.",
+        "",
+        "| system | requests | wall time | output tok/s | kvopt.LLM vs this | same outputs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ratio = "–" if row is ours else f"{ours['tok_s'] / row['tok_s']:.2f}x"
+        same = "–" if "same_as_kvopt" not in row else f"{row['same_as_kvopt']}/{row['requests']}"
+        lines.append(f"| {row['system']} | {row['requests']} | {row['seconds']:.0f} s | {row['tok_s']:.1f} | {ratio} "
+                     f"| {same} |")  # fmt: skip
+    if ours.get("waste_steady") is not None:
+        lines += ["", f"Memory waste at steady state (token slots allocated but holding no token yet, median over "
+                      f"the steps with the pool at least half full or half the requests running): "
+                      f"{100 * ours['waste_steady']:.2f}%. Preemptions: {ours['preemptions']}."]  # fmt: skip
+    return lines + [""]
+
+
+def _prefix_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    cold = statistics.median(r["cold_ttft"] for r in rows)
+    warm = statistics.median(r["warm_ttft"] for r in rows)
+    return [
+        f"### Prefix caching: a {rows[0]['system_tokens']:,}-token shared system prompt + a "
+        f"{rows[0]['question_tokens']}-token question",
+        "",
+        f"Time to first token, median of {len(rows)} fresh engines: cold (empty cache) {cold:.2f} s, warm (a second "
+        f"question after the first) {warm:.3f} s: **{cold / warm:.1f}x faster**; the warm request found "
+        f"{rows[0]['warm_cached_tokens']:,} of its prompt tokens cached.",
+        "",
+    ]
+
+
+def _capacity_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    full = next((r for r in rows if r["method"] == "full"), None)
+    lines = [
+        f"### Capacity: concurrent {rows[0]['sequence_tokens']:,}-token sequences in a "
+        f"{rows[0]['pool_bytes'] / 1e6:.0f} MB pool",
+        "",
+        "| KV method | most sequences running at once | vs full | output tok/s | preemptions |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ratio = f"{row['concurrent'] / full['concurrent']:.1f}x" if full else "–"
+        lines.append(f"| `{row['method']}` | {row['concurrent']} | {ratio} | {row['tok_s']:.2f} | {row['preemptions']} |")
+    return lines + [""]
+
+
+def _latency_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        f"### Latency under Poisson arrivals ({rows[0]['requests']} requests of 100-1,000 tokens, "
+        f"{rows[0]['new_tokens']} new tokens each)",
+        "",
+        "| arrival rate | TTFT p50 | TTFT p99 | inter-token p50 | inter-token p99 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['rate']} req/s | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
+                     f"{1000 * row['itl_p50']:.0f} ms | {1000 * row['itl_p99']:.0f} ms |")  # fmt: skip
+    return lines + [""]

@@ -1,0 +1,178 @@
+"""Which pool blocks hold which sequence's tokens: ref counts, an LRU free queue, prefix caching.
+
+Bookkeeping only (no tensors): the model runner writes and reads the blocks this hands out.
+A block is ``block_size`` token slots in every layer of the pool. Prefix caching follows
+vLLM: each *full* block is named by a chained hash (its parent's hash, its token ids, and a
+salt naming the model and the KV method, so a compressed cache never serves a lossless
+request); a later sequence whose tokens hash the same reuses the block instead of computing
+it. Freed blocks keep their hash and stay findable until they are actually reused for other
+tokens, oldest-freed first (LRU); the free queue is an ``OrderedDict``, so taking a cached
+block back out of it is O(1), unlike nano-vllm's ``deque.remove``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvopt.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    #: Chained hash of the block's full contents (None until it is full and computed).
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    #: Tokens looked up in the prefix cache (prompts at their first admission) and tokens found.
+    queries: int = 0
+    hits: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, salt: str = "", enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[bytes, int] = {}
+        self.root_hash = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        self.prefix_stats = PrefixCacheStats()
+        #: Copy-on-write copies ``(source block, destination block)`` the runner must make before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def chain_hash(self, parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        return digest.digest()
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of ``seq``'s tokens (verified token by token).
+
+        At most ``(len(seq) - 1) // block_size`` blocks: the last token is always computed, so
+        the step that admits the sequence has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], self.root_hash
+        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size, self.block_size):
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            parent = self.chain_hash(parent, tokens)
+            block_id = self.hash_to_block_id.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            found.append(block_id)
+        return found
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more computed tokens (after ``cached`` prefix blocks).
+
+        All or nothing: returns False, changing nothing, when the free blocks do not suffice.
+        Writing into a block other sequences share first copies it (copy-on-write).
+        """
+        cached = cached or []
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        have = len(seq.block_table) + len(cached)
+        fresh = max(self.blocks_needed(computed + num_new_tokens) - have, 0)
+        copy_on_write = self._shared_tail(seq, computed) is not None
+        revived = sum(1 for block_id in cached if self.blocks[block_id].ref_count == 0)
+        if fresh + copy_on_write + revived > len(self.free_queue):
+            return False
+        for block_id in cached:
+            self._acquire(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = computed
+        if copy_on_write:
+            self._copy_on_write(seq, computed)
+        seq.block_table.extend(self._take_free_block() for _ in range(fresh))
+        return True
+
+    def _shared_tail(self, seq: Sequence, computed: int) -> int | None:
+        """Index in ``seq.block_table`` of the partly filled block the next token goes into, if shared."""
+        index = computed // self.block_size
+        if computed % self.block_size == 0 or index >= len(seq.block_table):
+            return None
+        return index if self.blocks[seq.block_table[index]].ref_count > 1 else None
+
+    def _copy_on_write(self, seq: Sequence, computed: int) -> None:
+        index = self._shared_tail(seq, computed)
+        source = seq.block_table[index]
+        destination = self._take_free_block()
+        self.blocks[source].ref_count -= 1
+        seq.block_table[index] = destination
+        self.pending_copies.append((source, destination))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (its block table is a copy of the parent's)."""
+        assert child.block_table == parent.block_table
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; the ones no sequence holds join the free queue, newest tokens first
+        (so the shareable beginnings of prompts stay cached longest)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name every full, computed block of ``seq`` by its chained hash, so later prompts can reuse it."""
+        if not self.enable_prefix_caching:
+            return
+        parent = self.root_hash
+        for index in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is not None:
+                parent = block.hash
+                continue
+            tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+            parent = self.chain_hash(parent, tokens)
+            block.hash, block.token_ids = parent, tokens
+            self.hash_to_block_id.setdefault(parent, block.block_id)
+
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.prefix_stats.queries += prompt_tokens
+        self.prefix_stats.hits += hit_tokens
+
+    # -- internals ------------------------------------------------------------------------
+    def _acquire(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        """The least recently freed block; its old contents (and hash) are forgotten."""
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id

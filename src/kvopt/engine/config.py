@@ -1,0 +1,83 @@
+"""Engine settings and the sizing of the KV pool from a memory budget."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvopt.errors import KVOptError
+
+_UNITS = {
+    "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30,
+}  # fmt: skip
+PREEMPTION_MODES = ("recompute", "swap")
+POLICIES = ("fcfs", "priority")
+
+
+class EngineConfigError(KVOptError):
+    """An engine setting is invalid (names the setting and a valid example)."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    kv_method: str = "full"
+    block_size: int = 16
+    #: Bytes for the KV pool: ``"1GB"``, ``"512MiB"``, an int, or a fraction of free memory (``0.5``).
+    kv_memory: str | int | float = "1GB"
+    enable_prefix_caching: bool = True
+    #: Sequences decoded together at most.
+    max_num_seqs: int = 64
+    #: Tokens computed in one forward pass at most (decodes plus prefill chunks).
+    max_num_batched_tokens: int = 1024
+    #: Longest prompt + output; None: the model's maximum positions.
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name}={value!r} must be a positive integer")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise EngineConfigError(f"max_model_len={self.max_model_len} must be at least 2 tokens")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise EngineConfigError(f"preemption_mode={self.preemption_mode!r}; use one of {PREEMPTION_MODES}")
+        if self.policy not in POLICIES:
+            raise EngineConfigError(f"policy={self.policy!r}; use one of {POLICIES}")
+        parse_memory(self.kv_memory, torch.device("cpu"))  # fail early on a malformed size
+
+
+def parse_memory(value: str | int | float, device: torch.device) -> int:
+    """Bytes from ``"1GB"`` / ``"512MiB"`` / ``1_000_000`` / a fraction of the device's free memory."""
+    if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"0?\.\d+|1\.0*", value.strip())):
+        fraction = float(value)
+        if not 0.0 < fraction <= 1.0:
+            raise EngineConfigError(f"kv_memory={value!r}: a fraction of free memory must lie in (0, 1], e.g. 0.5")
+        return int(fraction * free_memory(device))
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise EngineConfigError(
+                f"kv_memory={value!r} is not a size; write e.g. '1GB', '512MiB', 1000000 or a fraction such as 0.5"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise EngineConfigError(f"kv_memory={value!r} must be more than 0 bytes")
+    return size
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: VRAM for accelerators, available RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available

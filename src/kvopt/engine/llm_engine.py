@@ -1,0 +1,292 @@
+"""The engine core: requests in, one scheduled forward pass per ``step``, outputs out.
+
+A server drives it from its event loop (``add_request`` / ``abort`` / ``step``);
+:class:`kvopt.LLM` drives it in a loop for offline batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvopt.cache.paged import PagedKVPool
+from kvopt.engine import sampler
+from kvopt.engine.block_manager import BlockManager
+from kvopt.engine.config import EngineConfig, EngineConfigError, parse_memory
+from kvopt.engine.detokenizer import IncrementalDetokenizer
+from kvopt.engine.metrics import EngineStats
+from kvopt.engine.model_runner import ModelRunner
+from kvopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvopt.engine.sampling_params import SamplingParams
+from kvopt.engine.scheduler import Scheduler
+from kvopt.engine.sequence import Sequence
+from kvopt.errors import KVOptError
+from kvopt.models.info import ModelInfo
+
+
+class RequestError(KVOptError):
+    """A request cannot be served as given (too long, empty, unknown tokens); it alone fails."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        # Siblings (n > 1) are forked before any sequence can finish, so "all finished" means all n.
+        return self.error is not None or all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.kv_method != "full":
+            from kvopt.methods import parse
+
+            parse(config.kv_method)  # a malformed spec names its own problem first
+            raise EngineConfigError(
+                f"kv_method={config.kv_method!r}: the engine serves the lossless paged cache ('full') so far; "
+                "compressed methods run through kvopt.cache(...) with model.generate"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.info = ModelInfo.from_config(model.config)
+        positions = self.info.max_positions or config.max_model_len or 2048
+        self.max_model_len = min(config.max_model_len or positions, positions)
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        block_bytes = PagedKVPool.block_bytes(self.info, config.block_size, dtype)
+        num_blocks = parse_memory(config.kv_memory, device) // block_bytes
+        minimum = -(-self.max_model_len // config.block_size)
+        if num_blocks < minimum:
+            raise EngineConfigError(
+                f"kv_memory={config.kv_memory!r} holds {num_blocks} blocks of {config.block_size} tokens, but one sequence "
+                f"of max_model_len={self.max_model_len} tokens needs {minimum} ({minimum * block_bytes:,} bytes); "
+                "raise kv_memory or lower max_model_len"
+            )
+        salt = f"{getattr(model.config, '_name_or_path', '')}|{model.config.model_type}|{dtype}|{config.kv_method}"
+        self.block_manager = BlockManager(num_blocks, config.block_size, salt, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.info, num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.runner)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.stop_token_ids = _eos_ids(model, tokenizer)
+        self.generator = torch.Generator().manual_seed(torch.seed())
+        self._seq_ids = itertools.count()
+        self._failed: list[RequestOutput] = []
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
+    ) -> None:  # fmt: skip
+        """Queue a request; one that cannot be served fails alone (its output carries the error)."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use; give each request its own id")
+        text, ids = self._tokenize(prompt)
+        now = time.perf_counter()
+        request = Request(request_id, text, ids, params, RequestMetrics(arrival_time=now))
+        self.requests[request_id] = request
+        problem = self._check(ids, params)
+        if problem:
+            request.error = problem
+            request.metrics.finished_time = now
+            self._failed.append(self._output(request))
+            del self.requests[request_id]
+            return
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, priority=priority,
+                       generator=generator)  # fmt: skip
+        request.seqs.append(seq)
+        self._add_detokenizer(request, seq)
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; pass tokenizer= or give token ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        ids = [int(token) for token in prompt]
+        return None, ids
+
+    def _check(self, ids: list[int], params: SamplingParams) -> str | None:
+        vocab = self.model.config.get_text_config().vocab_size
+        if not ids:
+            return "the prompt is empty; give at least one token"
+        if min(ids) < 0 or max(ids) >= vocab:
+            return f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}"
+        if len(ids) >= self.max_model_len:
+            return (
+                f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
+                "(prompt plus at least one new token); shorten the prompt"
+            )
+        if params.kv_method not in (None, self.config.kv_method):
+            return f"kv_method={params.kv_method!r} per request is not served yet; this engine runs {self.config.kv_method!r}"
+        return None
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (unknown or finished ids are ignored)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._failed)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; outputs (cumulative so far) of every request it advanced or ended."""
+        outputs, self._failed = self._failed, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        started = time.perf_counter()
+        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        logits = self.runner.run(batch, copies)
+        sampling = [seq for index, seq in enumerate(batch.seqs) if batch.samples(index)]
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            self.stats.prompt_tokens += max(0, min(seq.num_computed_tokens + count, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            seq.num_computed_tokens += count
+            self.block_manager.cache_full_blocks(seq)
+        tokens = sampler.sample(logits, sampling, self.generator)
+        now = time.perf_counter()
+        self.stats.busy_seconds += now - started
+        touched: dict[str, Request] = {}
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
+                self._fork(request, seq, logits[row : row + 1])
+            self._append(request, seq, token, logits[row : row + 1], now)
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                self._finish_request(request)
+        return outputs
+
+    def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> None:
+        """Parallel sampling: ``n - 1`` siblings share the prompt's blocks and draw their own first token."""
+        for index in range(1, request.params.n):
+            child = parent.fork(next(self._seq_ids), index)
+            self.block_manager.fork(parent, child)
+            request.seqs.append(child)
+            self._add_detokenizer(request, child)
+            self.scheduler.running.append(child)
+            token = sampler.sample(logits, [child], self.generator)[0]
+            self._append(request, child, token, logits, time.perf_counter())
+
+    def _append(self, request: Request, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> None:
+        seq.append_token(token, now)
+        self.stats.generation_tokens += 1
+        params = seq.params
+        if params.logprobs is not None:
+            seq.logprobs.extend(sampler.logprobs(logits, [token], params.logprobs))
+        stopped_by_text = request.detokenizers[seq.seq_id].add(token)
+        reason = None
+        if stopped_by_text or token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _add_detokenizer(self, request: Request, seq: Sequence) -> None:
+        params = seq.params
+        request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+
+    def _finish_request(self, request: Request) -> None:
+        now = time.perf_counter()
+        request.metrics.finished_time = now
+        for seq in request.seqs:
+            self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+            for gap in seq.inter_token_latencies:
+                self.stats.itl.observe(gap)
+        if request.metrics.time_to_first_token is not None:
+            self.stats.ttft.observe(request.metrics.time_to_first_token)
+        self.stats.e2e.observe(request.metrics.e2e_latency)
+        del self.requests[request.request_id]
+
+    def _output(self, request: Request) -> RequestOutput:
+        metrics = request.metrics
+        first = request.seqs[0] if request.seqs else None
+        if first is not None:
+            metrics.first_token_time = first.first_token_time
+            metrics.cached_tokens = first.num_cached_tokens
+            metrics.inter_token_latencies = first.inter_token_latencies
+        completions = [
+            CompletionOutput(
+                seq.index, request.detokenizers[seq.seq_id].text, seq.output_token_ids, seq.finish_reason,
+                seq.logprobs if seq.params.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ]  # fmt: skip
+        if request.error is not None:
+            completions = [CompletionOutput(0, "", [], "error")]
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, completions, request.finished, metrics,
+            request.error,
+        )  # fmt: skip
+
+    # -- metrics ------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """A snapshot with Prometheus-style names (see :mod:`kvopt.engine.metrics`)."""
+        manager, scheduler, stats = self.block_manager, self.scheduler, self.stats
+        allocated, used = self._slot_usage()
+        return {
+            "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,
+            "kv_blocks_total": manager.num_blocks,
+            "kv_blocks_used": manager.num_used_blocks,
+            "kv_blocks_free": manager.num_free_blocks,
+            "kv_block_size": manager.block_size,
+            "kv_pool_bytes": self.runner.pool.nbytes(),
+            "kv_slots_allocated": allocated,
+            "kv_slots_used": used,
+            "kv_memory_waste_perc": 1.0 - used / allocated if allocated else 0.0,
+            "prefix_cache_queries_total": manager.prefix_stats.queries,
+            "prefix_cache_hits_total": manager.prefix_stats.hits,
+            "num_preemptions_total": scheduler.num_preemptions,
+            "num_requests_running": len({seq.request_id for seq in scheduler.running}),
+            "num_requests_waiting": len({seq.request_id for seq in scheduler.waiting}),
+            "num_requests_swapped": len(scheduler.swapped),
+            "prompt_tokens_total": stats.prompt_tokens,
+            "generation_tokens_total": stats.generation_tokens,
+            "request_success_total": dict(stats.finished),
+            "generation_tokens_per_second": stats.generation_tokens / stats.busy_seconds if stats.busy_seconds else 0.0,
+            "time_to_first_token_seconds": stats.ttft.snapshot(),
+            "inter_token_latency_seconds": stats.itl.snapshot(),
+            "e2e_request_latency_seconds": stats.e2e.snapshot(),
+        }
+
+    def _slot_usage(self) -> tuple[int, int]:
+        """Token slots in blocks held by running sequences, and how many of them hold computed tokens."""
+        size, filled = self.block_manager.block_size, {}
+        for seq in self.scheduler.running:
+            for index, block_id in enumerate(seq.block_table):
+                tokens = min(size, max(0, seq.num_computed_tokens - index * size))
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        return len(filled) * size, sum(filled.values())
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """Tokens that end a sequence, as ``model.generate`` decides them (generation config, else tokenizer)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is None and tokenizer is not None:
+        configured = tokenizer.eos_token_id
+    if configured is None:
+        return set()
+    return set(configured) if isinstance(configured, (list, tuple)) else {int(configured)}

@@ -1,0 +1,64 @@
+"""Per-request generation settings, named and validated as vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvopt.errors import KVOptError
+
+
+class SamplingParamsError(KVOptError):
+    """A sampling parameter is out of range (a ``ValueError`` naming the field)."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature=0`` is greedy (the default, so outputs equal ``model.generate``'s); ``n``
+    samples share the prompt's blocks and copy a block only when they write into it.
+    """
+
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    #: Return the log-probability of each sampled token and of this many top alternatives (None: none).
+    logprobs: int | None = None
+    #: The KV method spec for this request, overriding the engine's (e.g. ``"snapkv:ratio=0.75"``).
+    kv_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        checks = (
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0 (0 is greedy)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r} {rule}")
+        if self.n > 1 and self.temperature == 0.0:
+            raise SamplingParamsError(
+                f"SamplingParams.n={self.n} with temperature=0 would return {self.n} identical greedy answers; "
+                "set temperature > 0"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

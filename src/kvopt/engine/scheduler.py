@@ -1,0 +1,168 @@
+"""Which sequences run in the next forward pass, and with how many tokens each.
+
+One flattened batch per step mixes decodes (one token each) with prefill chunks, up to
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences (vLLM v1's unified
+scheduling). Running sequences go first; when the pool cannot give one of them a block, the
+lowest-priority running sequence is preempted: its blocks are freed and it is recomputed
+later (its prefix is often still in the prefix cache), or, in ``swap`` mode, its blocks are
+copied to host memory and copied back when room returns. Waiting sequences are admitted
+only in steps that preempted nothing, first come first served or by priority.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvopt.engine.block_manager import BlockManager
+from kvopt.engine.config import EngineConfig
+from kvopt.engine.sequence import Sequence, SequenceStatus
+
+
+class Swapper(Protocol):
+    """Moves blocks' contents out of the pool and back (the model runner)."""
+
+    def swap_out(self, block_ids: list[int]) -> object: ...
+
+    def swap_in(self, saved: object, block_ids: list[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """Sequences of one step and the tokens each computes (its first uncomputed ones)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def samples(self, index: int) -> bool:
+        """Whether sequence ``index`` reaches its newest token this step (so a token is sampled)."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_tokens[index] == len(seq)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.swapper = swapper
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[tuple[Sequence, object]] = deque()
+        self.num_preemptions = 0
+
+    def _rank(self, seq: Sequence) -> tuple:
+        """Sort key: smaller runs first (FCFS: arrival; priority: lower value first, then arrival)."""
+        if self.config.policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (seq.arrival_time, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        if self.config.policy == "priority":
+            position = sum(1 for other in self.waiting if self._rank(other) <= self._rank(seq))
+            self.waiting.insert(position, seq)
+        else:
+            self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        preempted = self._schedule_running(batch, budget)
+        budget -= batch.total_tokens
+        if not preempted:
+            self._swap_in()
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Give running sequences their next tokens, preempting from the back when blocks run out."""
+        self.running.sort(key=self._rank)
+        preempted, index = False, 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, num_tokens)
+                budget -= num_tokens
+                index += 1
+        return preempted
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = manager.cached_prefix(seq)
+            uncomputed = len(seq) - len(cached) * manager.block_size
+            num_tokens = min(uncomputed, budget)
+            if not manager.allocate_slots(seq, num_tokens, cached):
+                break
+            if seq.num_output_tokens == 0 and seq.num_cached_tokens == 0:
+                seq.num_cached_tokens = len(cached) * manager.block_size
+                manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+
+    def _swap_in(self) -> None:
+        manager = self.block_manager
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq, saved = self.swapped[0]
+            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+            if not manager.allocate_slots(seq, computed):
+                seq.num_computed_tokens = computed
+                return
+            seq.num_computed_tokens = computed
+            self.swapper.swap_in(saved, seq.block_table)
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.swapper is not None and seq.num_computed_tokens:
+            saved = self.swapper.swap_out(seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)])
+            computed = seq.num_computed_tokens
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = computed
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append((seq, saved))
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- after the step -------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop ``seq`` (finished or aborted) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped = deque(item for item in self.swapped if item[0] is not seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,84 @@
+"""One sequence being generated: its tokens, its block table and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvopt.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    #: Preempted with its blocks copied out of the pool (``preemption_mode="swap"``).
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Token ids (prompt then output), how many have their KV in the pool, and the blocks holding it.
+
+    ``num_computed_tokens`` counts tokens whose keys/values are written (or were found in the
+    prefix cache); the newest sampled token is never computed until the next step feeds it.
+    """
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    #: Which of the request's ``n`` completions this is.
+    index: int = 0
+    priority: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    #: Prompt tokens found in the prefix cache at the first admission (reported to the user).
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    #: Per-request random stream (``SamplingParams.seed``), shared by the request's completions.
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A sibling sharing this sequence's tokens and blocks (the caller raises the blocks' ref counts)."""
+        return Sequence(
+            seq_id, self.request_id, list(self.token_ids), self.num_prompt_tokens, self.params, self.arrival_time,
+            index=index, priority=self.priority, status=self.status, num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens, block_table=list(self.block_table), generator=self.generator,
+        )  # fmt: skip

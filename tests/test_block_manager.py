@@ -1,0 +1,150 @@
+"""Property tests of the block manager: random allocate / append / fork / free / preempt sequences.
+
+A model of the pool's contents (which token each slot holds) is updated the way the runner
+would write it, including copy-on-write copies, so the invariants cover correctness (every
+sequence reads its own tokens, prefix hits serve the same tokens) as well as bookkeeping
+(no leak, no double free, ref counts equal to the holders).
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvopt.engine.block_manager import BlockManager
+from kvopt.engine.sampling_params import SamplingParams
+from kvopt.engine.sequence import Sequence
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+#: A small alphabet, so random prompts often share prefixes (prefix-cache hits).
+tokens = st.lists(st.integers(0, 2), min_size=1, max_size=26)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, salt="test")
+        self.live: list[Sequence] = []
+        self.slots: dict[int, int] = {}  # slot -> token written there
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _compute(self, seq: Sequence, count: int) -> None:
+        """What the runner does: make the pending copies, write the new tokens' slots, then cache full blocks."""
+        for source, destination in self.manager.pending_copies:
+            for offset in range(BLOCK_SIZE):
+                if source * BLOCK_SIZE + offset in self.slots:
+                    self.slots[destination * BLOCK_SIZE + offset] = self.slots[source * BLOCK_SIZE + offset]
+        self.manager.pending_copies.clear()
+        for position in range(seq.num_computed_tokens, seq.num_computed_tokens + count):
+            block = seq.block_table[position // BLOCK_SIZE]
+            self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = seq.token_ids[position]
+        seq.num_computed_tokens += count
+        self.manager.cache_full_blocks(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        cached = self.manager.cached_prefix(seq)
+        uncomputed = len(seq) - len(cached) * BLOCK_SIZE
+        if not self.manager.allocate_slots(seq, uncomputed, cached):
+            assert not seq.block_table and seq.num_computed_tokens == 0  # all or nothing
+            return False
+        self._compute(seq, uncomputed)
+        self.live.append(seq)
+        return True
+
+    @rule(prompt=tokens)
+    def add(self, prompt):
+        self._admit(Sequence(self._new_id(), "r", list(prompt), len(prompt), SamplingParams(), 0.0))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        seq = data.draw(st.sampled_from(self.live))
+        seq.token_ids.append(token)
+        if self.manager.allocate_slots(seq, 1):
+            self._compute(seq, 1)
+        else:  # preempted for recompute: freed, then tried again from its cached prefix
+            self.live.remove(seq)
+            self.manager.free(seq)
+            self._admit(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.live))
+        child = parent.fork(self._new_id(), 1)
+        self.manager.fork(parent, child)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.live.remove(seq)
+        self.manager.free(seq)
+        assert not seq.block_table
+
+    @invariant()
+    def ref_counts_equal_holders(self):
+        holders = [0] * NUM_BLOCKS
+        for seq in self.live:
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        assert [block.ref_count for block in self.manager.blocks] == holders
+        free = list(self.manager.free_queue)
+        assert len(free) == len(set(free))
+        assert set(free) == {i for i, count in enumerate(holders) if count == 0}
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for seq in self.live:
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK_SIZE)
+            for position in range(seq.num_computed_tokens):
+                slot = seq.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+                assert self.slots[slot] == seq.token_ids[position]
+
+    @invariant()
+    def hashes_name_their_blocks(self):
+        for digest, block_id in self.manager.hash_to_block_id.items():
+            block = self.manager.blocks[block_id]
+            assert block.hash == digest and len(block.token_ids) == BLOCK_SIZE
+
+    def teardown(self):
+        for seq in self.live:
+            self.manager.free(seq)
+        assert all(block.ref_count == 0 for block in self.manager.blocks)
+        assert self.manager.num_free_blocks == NUM_BLOCKS
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_lru_reuses_freed_blocks_until_evicted():
+    manager = BlockManager(4, BLOCK_SIZE, salt="lru")
+    first = Sequence(1, "a", [1] * 9, 9, SamplingParams(), 0.0)
+    assert manager.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    manager.cache_full_blocks(first)
+    manager.free(first)
+    again = Sequence(2, "b", [1] * 9, 9, SamplingParams(), 0.0)
+    assert len(manager.cached_prefix(again)) == 2  # freed, still cached
+    other = Sequence(3, "c", [2] * 16, 16, SamplingParams(), 0.0)
+    assert manager.allocate_slots(other, 16)  # takes all 4 blocks: the cached ones are evicted
+    assert manager.cached_prefix(again) == []
+
+
+def test_salt_separates_caches():
+    tokens_ = [5] * 9
+    for salt, expected in (("model|full", 2), ("model|snapkv:ratio=0.5", 0)):
+        manager = BlockManager(4, BLOCK_SIZE, salt="model|full")
+        seq = Sequence(1, "a", list(tokens_), 9, SamplingParams(), 0.0)
+        manager.allocate_slots(seq, 9)
+        seq.num_computed_tokens = 9
+        manager.cache_full_blocks(seq)
+        other = BlockManager(4, BLOCK_SIZE, salt=salt)
+        other.hash_to_block_id, other.blocks = manager.hash_to_block_id, manager.blocks
+        assert len(other.cached_prefix(Sequence(2, "b", list(tokens_), 9, SamplingParams(), 0.0))) == expected
