@@ -125,9 +125,10 @@ def _generate_sampling_waste(llm, prompts, params, waste: list[float]):
         for output in core.step():
             if output.finished:
                 finished[output.request_id] = output
-        metrics = core.metrics()
-        if metrics["num_requests_running"] >= len(prompts) // 2 or metrics["kv_cache_usage_perc"] >= 0.5:
-            waste.append(metrics["kv_memory_waste_perc"])
+        allocated, used = core.slot_usage()
+        manager = core.block_manager
+        if len(core.scheduler.running) >= len(prompts) // 2 or manager.num_used_blocks >= manager.num_blocks // 2:
+            waste.append(1.0 - used / allocated)
     return [finished[str(index)] for index in range(len(prompts))]
 
 
@@ -234,7 +235,7 @@ def latency(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default=",".join(STEPS))
-    parser.add_argument("--kv-memory", default="1GB")
+    parser.add_argument("--kv-memory", default="2GB", help="kvopt's pool (generate_batch gets as many bytes)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -246,7 +247,7 @@ def main() -> None:
     parser.add_argument("--capacity-methods", default="full")
     parser.add_argument("--capacity-requests", type=int, default=8)
     parser.add_argument("--capacity-new", type=int, default=32)
-    parser.add_argument("--rates", default="0.1,0.25,0.5")
+    parser.add_argument("--rates", default="0.2,0.4,0.8")
     parser.add_argument("--latency-requests", type=int, default=24)
     parser.add_argument("--latency-new", type=int, default=64)
     args = parser.parse_args()

@@ -46,7 +46,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager.cache_full_blocks(seq)
 
     def _admit(self, seq: Sequence) -> bool:
-        cached = self.manager.cached_prefix(seq)
+        cached = self.manager.cached_prefix(seq, self.manager.prompt_hashes(seq))
         uncomputed = len(seq) - len(cached) * BLOCK_SIZE
         if not self.manager.allocate_slots(seq, uncomputed, cached):
             assert not seq.block_table and seq.num_computed_tokens == 0  # all or nothing
@@ -131,10 +131,10 @@ def test_lru_reuses_freed_blocks_until_evicted():
     manager.cache_full_blocks(first)
     manager.free(first)
     again = Sequence(2, "b", [1] * 9, 9, SamplingParams(), 0.0)
-    assert len(manager.cached_prefix(again)) == 2  # freed, still cached
+    assert len(manager.cached_prefix(again, manager.prompt_hashes(again))) == 2  # freed, still cached
     other = Sequence(3, "c", [2] * 16, 16, SamplingParams(), 0.0)
     assert manager.allocate_slots(other, 16)  # takes all 4 blocks: the cached ones are evicted
-    assert manager.cached_prefix(again) == []
+    assert manager.cached_prefix(again, manager.prompt_hashes(again)) == []
 
 
 def test_salt_separates_caches():
@@ -147,4 +147,5 @@ def test_salt_separates_caches():
         manager.cache_full_blocks(seq)
         other = BlockManager(4, BLOCK_SIZE, salt=salt)
         other.hash_to_block_id, other.blocks = manager.hash_to_block_id, manager.blocks
-        assert len(other.cached_prefix(Sequence(2, "b", list(tokens_), 9, SamplingParams(), 0.0))) == expected
+        probe = Sequence(2, "b", list(tokens_), 9, SamplingParams(), 0.0)
+        assert len(other.cached_prefix(probe, other.prompt_hashes(probe))) == expected

@@ -74,15 +74,27 @@ def test_greedy_equals_hf_generate(arch, prefix_caching, references):
     assert_pool_empty(llm)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs(mode, references):
-    model, prompts, expected = references("llama")
+def test_preemption_keeps_outputs(arch, mode, references):
+    model, prompts, expected = references(arch)
     # 3 layers x 2 KV heads x 16 dims x fp32 x K/V = 768 bytes per token: room for ~2 sequences at a time.
     llm = engine(model, kv_memory=768 * 16 * 9, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=256)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
     assert llm.metrics()["num_preemptions_total"] > 0
     assert_pool_empty(llm)
+
+
+def test_requests_sharing_a_prefix_compute_it_once(references):
+    """Submitted together, requests with a common 40-token head: the first computes it, the others wait a
+    step and find its 2 full blocks cached (not 8 copies computed side by side)."""
+    model, prompts, expected = references("qwen2")
+    llm = engine(model, max_num_batched_tokens=1024)
+    outputs = llm.generate(prompts[32:], GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == expected[32:]
+    assert [out.metrics.cached_tokens for out in outputs] == [0] + [32] * 7
+    assert llm.metrics()["prefix_cache_hits_total"] == 7 * 32
 
 
 def test_parallel_samples_share_blocks_then_copy_on_write(references):

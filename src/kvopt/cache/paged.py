@@ -164,7 +164,8 @@ class PagedLayer(SeamLayer):
         keys.index_copy_(1, batch.slot_mapping, key[0])
         values.index_copy_(1, batch.slot_mapping, value[0])
         output = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
-        batched = batch.decodes is not None and softcap is None and sliding_window is None and attention.cpu_flash_available(query)
+        plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
+        batched = batch.decodes is not None and plain and attention.cpu_flash_available(query)
         if batched:
             output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling)
         for seq in batch.sequences:
@@ -186,14 +187,10 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
     """``(output, lse)`` parts of ``query`` over the stored context it sees whole (no mask): the
     longest run read in place, the other runs (blocks allocated later, elsewhere) gathered."""
     start, stop = seq.main
-    parts = []
-    if stop > start:
-        parts.append(attention.attention_with_lse(query, keys[None, :, start:stop], values[None, :, start:stop], None,
-                                                  scaling, softcap))  # fmt: skip
+    pieces = [(keys[None, :, start:stop], values[None, :, start:stop])] if stop > start else []
     if seq.rest is not None:
-        parts.append(attention.attention_with_lse(query, keys[None].index_select(2, seq.rest),
-                                                  values[None].index_select(2, seq.rest), None, scaling, softcap))  # fmt: skip
-    return parts
+        pieces.append((keys[None].index_select(2, seq.rest), values[None].index_select(2, seq.rest)))
+    return [attention.attention_with_lse(query, k, v, None, scaling, softcap) for k, v in pieces]
 
 
 def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Tensor:

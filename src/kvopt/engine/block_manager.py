@@ -67,19 +67,24 @@ class BlockManager:
         digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
         return digest.digest()
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached prefix of ``seq``'s tokens (verified token by token).
+    def prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of ``seq``'s full blocks that a prefix hit may cover: at most ``(len(seq) - 1) //
+        block_size`` of them, since the last token is always computed (its step needs logits to sample from)."""
+        hashes, parent = [], self.root_hash
+        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size, self.block_size):
+            parent = self.chain_hash(parent, tuple(seq.token_ids[start : start + self.block_size]))
+            hashes.append(parent)
+        return hashes
 
-        At most ``(len(seq) - 1) // block_size`` blocks: the last token is always computed, so
-        the step that admits the sequence has logits to sample from.
-        """
+    def cached_prefix(self, seq: Sequence, hashes: list[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``seq`` (``hashes`` from :meth:`prompt_hashes`),
+        verified token by token."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], self.root_hash
-        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size, self.block_size):
-            tokens = tuple(seq.token_ids[start : start + self.block_size])
-            parent = self.chain_hash(parent, tokens)
-            block_id = self.hash_to_block_id.get(parent)
+        found = []
+        for index, digest in enumerate(hashes):
+            block_id = self.hash_to_block_id.get(digest)
+            tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             found.append(block_id)
@@ -90,7 +95,9 @@ class BlockManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more computed tokens (after ``cached`` prefix blocks).
 
         All or nothing: returns False, changing nothing, when the free blocks do not suffice.
-        Writing into a block other sequences share first copies it (copy-on-write).
+        Writing into a block other sequences share first copies it (copy-on-write). New blocks
+        continue the sequence's last one where it is free, so its tokens stay in few runs of
+        consecutive slots, which attention reads in place.
         """
         cached = cached or []
         computed = seq.num_computed_tokens + len(cached) * self.block_size
@@ -106,7 +113,8 @@ class BlockManager:
         seq.num_computed_tokens = computed
         if copy_on_write:
             self._copy_on_write(seq, computed)
-        seq.block_table.extend(self._take_free_block() for _ in range(fresh))
+        for _ in range(fresh):
+            seq.block_table.append(self._take_free_block(seq.block_table[-1] + 1 if seq.block_table else None))
         return True
 
     def _shared_tail(self, seq: Sequence, computed: int) -> int | None:
@@ -168,9 +176,14 @@ class BlockManager:
             del self.free_queue[block_id]
         block.ref_count += 1
 
-    def _take_free_block(self) -> int:
-        """The least recently freed block; its old contents (and hash) are forgotten."""
-        block_id, _ = self.free_queue.popitem(last=False)
+    def _take_free_block(self, preferred: int | None = None) -> int:
+        """``preferred`` if it is free and caches nothing, else the least recently freed block; its old
+        contents (and hash) are forgotten."""
+        if preferred in self.free_queue and self.blocks[preferred].hash is None:
+            del self.free_queue[preferred]
+            block_id = preferred
+        else:
+            block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]

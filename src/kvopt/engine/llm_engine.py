@@ -131,7 +131,10 @@ class LLMEngine:
                 "(prompt plus at least one new token); shorten the prompt"
             )
         if params.kv_method not in (None, self.config.kv_method):
-            return f"kv_method={params.kv_method!r} per request is not served yet; this engine runs {self.config.kv_method!r}"
+            return (
+                f"kv_method={params.kv_method!r} per request is not served yet; "
+                f"this engine runs {self.config.kv_method!r}"
+            )
         return None
 
     def abort(self, request_id: str) -> None:
@@ -158,8 +161,9 @@ class LLMEngine:
         logits = self.runner.run(batch, copies)
         sampling = [seq for index, seq in enumerate(batch.seqs) if batch.samples(index)]
         for seq, count in zip(batch.seqs, batch.num_tokens):
-            self.stats.prompt_tokens += max(0, min(seq.num_computed_tokens + count, seq.num_prompt_tokens) - seq.num_computed_tokens)
-            seq.num_computed_tokens += count
+            computed = seq.num_computed_tokens
+            self.stats.prompt_tokens += max(0, min(computed + count, seq.num_prompt_tokens) - computed)
+            seq.num_computed_tokens = computed + count
             self.block_manager.cache_full_blocks(seq)
         tokens = sampler.sample(logits, sampling, self.generator)
         now = time.perf_counter()
@@ -246,7 +250,7 @@ class LLMEngine:
     def metrics(self) -> dict:
         """A snapshot with Prometheus-style names (see :mod:`kvopt.engine.metrics`)."""
         manager, scheduler, stats = self.block_manager, self.scheduler, self.stats
-        allocated, used = self._slot_usage()
+        allocated, used = self.slot_usage()
         return {
             "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,
             "kv_blocks_total": manager.num_blocks,
@@ -272,7 +276,7 @@ class LLMEngine:
             "e2e_request_latency_seconds": stats.e2e.snapshot(),
         }
 
-    def _slot_usage(self) -> tuple[int, int]:
+    def slot_usage(self) -> tuple[int, int]:
         """Token slots in blocks held by running sequences, and how many of them hold computed tokens."""
         size, filled = self.block_manager.block_size, {}
         for seq in self.scheduler.running:

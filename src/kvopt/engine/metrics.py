@@ -38,20 +38,18 @@ class Histogram:
         self.count += 1
         self.recent.append(value)
 
-    def quantile(self, q: float) -> float | None:
-        """The ``q`` quantile of the recent observations (nearest rank), None before any."""
-        if not self.recent:
-            return None
+    def quantiles(self, *qs: float) -> list[float | None]:
+        """The ``qs`` quantiles of the recent observations (nearest rank), None before any."""
         ordered = sorted(self.recent)
-        return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+        return [ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))] if ordered else None for q in qs]
 
     def snapshot(self) -> dict:
         cumulative, running = {}, 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts):
             running += count
             cumulative[bound] = running
-        return {"count": self.count, "sum": self.total, "buckets": cumulative,
-                "p50": self.quantile(0.5), "p99": self.quantile(0.99)}  # fmt: skip
+        p50, p99 = self.quantiles(0.5, 0.99)
+        return {"count": self.count, "sum": self.total, "buckets": cumulative, "p50": p50, "p99": p99}
 
 
 @dataclass

@@ -6,7 +6,9 @@ scheduling). Running sequences go first; when the pool cannot give one of them a
 lowest-priority running sequence is preempted: its blocks are freed and it is recomputed
 later (its prefix is often still in the prefix cache), or, in ``swap`` mode, its blocks are
 copied to host memory and copied back when room returns. Waiting sequences are admitted
-only in steps that preempted nothing, first come first served or by priority.
+only in steps that preempted nothing, first come first served or by priority; one whose next
+uncached block another sequence computes in this very step waits a step and then finds it in
+the prefix cache (requests sharing a system prompt that arrive together compute it once).
 """
 
 from __future__ import annotations
@@ -108,12 +110,18 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         manager = self.block_manager
+        computing: set[bytes] = set()  # hashes of the full prompt blocks this step computes
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = manager.cached_prefix(seq)
+            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching else []
+            cached = manager.cached_prefix(seq, hashes)
+            if len(cached) < len(hashes) and hashes[len(cached)] in computing:
+                break  # cached after this step: admitted next step, computing only what is its own
             uncomputed = len(seq) - len(cached) * manager.block_size
             num_tokens = min(uncomputed, budget)
-            if not manager.allocate_slots(seq, num_tokens, cached):
+            # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
+            # not interleaved with the chunks of the sequences admitted beside it.
+            if not manager.allocate_slots(seq, uncomputed, cached):
                 break
             if seq.num_output_tokens == 0 and seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = len(cached) * manager.block_size
@@ -123,6 +131,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_tokens)
             budget -= num_tokens
+            computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
 
     def _swap_in(self) -> None:
         manager = self.block_manager
