@@ -688,4 +688,4 @@ def keep_sections(new: str, old: str) -> tuple[str, list[str]]:
             text = f"{first}\n\n{KEPT_NOTE}\n\n{rest.lstrip(chr(10))}"
         merged.insert(position, (key, text))
         kept.append(key)
-    return preamble + "".join(text if text.endswith("\n") else text + "\n" for _, text in merged), kept
+    return preamble + "".join(text.rstrip("\n") + "\n\n" for _, text in merged), kept  # a blank line between sections
