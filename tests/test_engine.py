@@ -82,7 +82,10 @@ def test_preemption_keeps_outputs(arch, mode, references):
     llm = engine(model, kv_memory=768 * 16 * 9, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=256)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
-    assert llm.metrics()["num_preemptions_total"] > 0
+    metrics = llm.metrics()
+    assert metrics["num_preemptions_total"] > 0
+    # Each prompt is looked up once, at its first admission, however often it is recomputed.
+    assert metrics["prefix_cache_queries_total"] == metrics["prompt_tokens_total"] == sum(map(len, prompts))
     assert_pool_empty(llm)
 
 
@@ -213,6 +216,7 @@ def test_text_stops_streaming_chat_and_logprobs(tiny_with_tokenizer):
     by_id = llm.generate("The capital of France is", SamplingParams(max_tokens=12, ignore_eos=True,
                          stop_token_ids=[plain.outputs[0].token_ids[2]]), use_tqdm=False)[0].outputs[0]  # fmt: skip
     assert by_id.token_ids == plain.outputs[0].token_ids[:3] and by_id.finish_reason == "stop"
+    assert by_id.text == tokenizer.decode(plain.outputs[0].token_ids[:2], skip_special_tokens=True)  # stop text dropped
     steps = list(llm.stream("The capital of France is", SamplingParams(max_tokens=5, ignore_eos=True)))
     assert steps[-1].finished and steps[-1].outputs[0].token_ids == plain.outputs[0].token_ids[:5]
     assert [len(step.outputs[0].token_ids) for step in steps] == [1, 2, 3, 4, 5]
@@ -278,3 +282,61 @@ def test_half_precision_models_run(references):
     outputs = llm.generate(prompts[:6], GREEDY, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == NEW_TOKENS for out in outputs)
     assert llm.engine.runner.pool.keys[0].dtype == torch.bfloat16
+
+
+def test_seeded_parallel_samples_do_not_depend_on_the_batch(references):
+    """Each sibling of a seeded n > 1 request draws from its own stream (seed + index)."""
+    model, prompts, _ = references("llama")
+    params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    alone = engine(model).generate([prompts[3]], params, use_tqdm=False)[0]
+    crowded = engine(model, kv_memory=768 * 16 * 12, max_model_len=128)  # preemptions shuffle who samples when
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    together = crowded.generate(prompts[:8], [others] * 3 + [params] + [others] * 4, use_tqdm=False)[3]
+    assert [c.token_ids for c in together.outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
+
+
+def test_max_num_seqs_counts_parallel_samples(references):
+    model, prompts, _ = references("llama")
+    llm = engine(model, max_num_seqs=3)
+    core, params = llm.engine, SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True)
+    for index in range(4):
+        core.add_request(str(index), prompts[index], params if index < 2 else GREEDY)
+    widest = 0
+    while core.has_unfinished_requests():
+        core.step()
+        widest = max(widest, len(core.scheduler.running))
+    assert widest == 3
+    metrics = llm.metrics()
+    assert metrics["request_success_total"] == {"length": 4}  # requests, not completions
+    assert_pool_empty(llm)
+
+
+def test_tiny_temperatures_are_greedy_and_the_global_generator_is_untouched(references):
+    model, prompts, expected = references("llama")
+    torch.manual_seed(0)
+    reference_draw = torch.rand(1)
+    torch.manual_seed(0)
+    llm = engine(model)
+    assert torch.equal(torch.rand(1), reference_draw)
+    output = llm.generate([prompts[0]], SamplingParams(temperature=1e-40, max_tokens=NEW_TOKENS, ignore_eos=True),
+                          use_tqdm=False)[0]  # fmt: skip
+    assert output.outputs[0].token_ids == expected[0]
+
+
+def test_a_swapped_sequence_returns_before_new_requests(references):
+    model, prompts, expected = references("qwen2")
+    llm = engine(model, kv_memory=768 * 16 * 9, max_model_len=128, preemption_mode="swap")
+    core = llm.engine
+    core.add_request("old", prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    for index in range(1, 6):
+        core.add_request(str(index), prompts[index], GREEDY)
+    admitted_while_swapped = 0
+    while core.has_unfinished_requests():
+        waiting_before = len(core.scheduler.waiting)
+        swapped_before = bool(core.scheduler.swapped)
+        core.step()
+        if swapped_before and core.scheduler.swapped and len(core.scheduler.waiting) < waiting_before:
+            admitted_while_swapped += 1
+    assert admitted_while_swapped == 0
+    assert_pool_empty(llm)

@@ -279,7 +279,8 @@ def list_methods(
     console.print(table)
     console.print(
         "Budgets: ratio = fraction of the prompt removed at the prefill, later tokens added on top (kvpress "
-        "convention); budget = tokens kept per sequence, head and layer at all times, recent window included "
+        "convention); budget = tokens kept per sequence, head and layer (of the prompt for prefill-time methods, at "
+        "all times for decode-time ones), recent window included "
         "(the papers' convention). Quantizers keep every token in fewer bits; methods compose with '+'.",
         highlight=False,
     )

@@ -81,7 +81,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stop_token_ids = _eos_ids(model, tokenizer)
-        self.generator = torch.Generator().manual_seed(torch.seed())
+        self.generator = torch.Generator()
+        self.generator.seed()  # its own nondeterministic seed; the process-wide generator is left alone
         self._seq_ids = itertools.count()
         self._failed: list[RequestOutput] = []
 
@@ -101,6 +102,7 @@ class LLMEngine:
         if problem:
             request.error = problem
             request.metrics.finished_time = now
+            self._count_finished("error")
             self._failed.append(self._output(request))
             del self.requests[request_id]
             return
@@ -145,6 +147,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        self._count_finished("abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._failed)
@@ -160,12 +163,10 @@ class LLMEngine:
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         logits = self.runner.run(batch, copies)
         sampling = [seq for index, seq in enumerate(batch.seqs) if batch.samples(index)]
+        tokens = sampler.sample(logits, sampling, self.generator)  # before committing: a failure changes nothing
         for seq, count in zip(batch.seqs, batch.num_tokens):
-            computed = seq.num_computed_tokens
-            self.stats.prompt_tokens += max(0, min(computed + count, seq.num_prompt_tokens) - computed)
-            seq.num_computed_tokens = computed + count
+            seq.num_computed_tokens += count
             self.block_manager.cache_full_blocks(seq)
-        tokens = sampler.sample(logits, sampling, self.generator)
         now = time.perf_counter()
         self.stats.busy_seconds += now - started
         touched: dict[str, Request] = {}
@@ -195,10 +196,16 @@ class LLMEngine:
     def _append(self, request: Request, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> None:
         seq.append_token(token, now)
         self.stats.generation_tokens += 1
+        if seq.num_output_tokens == 1 and seq.index == 0:
+            self.stats.prompt_tokens += seq.num_prompt_tokens
         params = seq.params
         if params.logprobs is not None:
             seq.logprobs.extend(sampler.logprobs(logits, [token], params.logprobs))
-        stopped_by_text = request.detokenizers[seq.seq_id].add(token)
+        detokenizer = request.detokenizers[seq.seq_id]
+        before = len(detokenizer.text)
+        stopped_by_text = detokenizer.add(token)
+        if token in params.stop_token_ids and not params.include_stop_str_in_output:
+            detokenizer.text = detokenizer.text[:before]  # a stop token's own text is not output (vLLM)
         reason = None
         if stopped_by_text or token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_token_ids):
             reason = "stop"
@@ -213,11 +220,15 @@ class LLMEngine:
             self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
         )
 
+    def _count_finished(self, reason: str) -> None:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
     def _finish_request(self, request: Request) -> None:
+        """Count a request once (by its first completion's finish reason) and observe its latencies."""
         now = time.perf_counter()
         request.metrics.finished_time = now
+        self._count_finished(request.seqs[0].finish_reason)
         for seq in request.seqs:
-            self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
             for gap in seq.inter_token_latencies:
                 self.stats.itl.observe(gap)
         if request.metrics.time_to_first_token is not None:
@@ -266,7 +277,7 @@ class LLMEngine:
             "num_preemptions_total": scheduler.num_preemptions,
             "num_requests_running": len({seq.request_id for seq in scheduler.running}),
             "num_requests_waiting": len({seq.request_id for seq in scheduler.waiting}),
-            "num_requests_swapped": len(scheduler.swapped),
+            "num_requests_swapped": len({seq.request_id for seq, _ in scheduler.swapped}),
             "prompt_tokens_total": stats.prompt_tokens,
             "generation_tokens_total": stats.generation_tokens,
             "request_success_total": dict(stats.finished),

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from kvopt.errors import KVOptError
 
 
+#: vLLM's epsilon: a temperature this small is greedy.
+GREEDY_BELOW = 1e-5
+
+
 class SamplingParamsError(KVOptError):
     """A sampling parameter is out of range (a ``ValueError`` naming the field)."""
 
@@ -53,7 +57,7 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r} {rule}")
-        if self.n > 1 and self.temperature == 0.0:
+        if self.n > 1 and self.greedy:
             raise SamplingParamsError(
                 f"SamplingParams.n={self.n} with temperature=0 would return {self.n} identical greedy answers; "
                 "set temperature > 0"
@@ -61,4 +65,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` sample the argmax (dividing by them overflows the logits)."""
+        return self.temperature < GREEDY_BELOW

@@ -68,12 +68,12 @@ class Scheduler:
         return (seq.arrival_time, seq.seq_id)
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` in rank order (a preempted sequence goes back ahead of the later arrivals)."""
         seq.status = SequenceStatus.WAITING
-        if self.config.policy == "priority":
-            position = sum(1 for other in self.waiting if self._rank(other) <= self._rank(seq))
-            self.waiting.insert(position, seq)
-        else:
-            self.waiting.append(seq)
+        position = len(self.waiting)
+        while position and self._rank(self.waiting[position - 1]) > self._rank(seq):
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -86,14 +86,15 @@ class Scheduler:
         budget -= batch.total_tokens
         if not preempted:
             self._swap_in()
-            self._admit_waiting(batch, budget)
+            if not self.swapped:  # swapped sequences return before new ones take the blocks they wait for
+                self._admit_waiting(batch, budget)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         """Give running sequences their next tokens, preempting from the back when blocks run out."""
         self.running.sort(key=self._rank)
         preempted, index = False, 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(batch.seqs) < self.config.max_num_seqs:
             seq = self.running[index]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
@@ -111,8 +112,11 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         manager = self.block_manager
         computing: set[bytes] = set()  # hashes of the full prompt blocks this step computes
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        occupied = sum(seq.width for seq in self.running)  # a parallel-sampling request will run as n
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if occupied and occupied + seq.width > self.config.max_num_seqs:
+                break  # (a request wider than max_num_seqs runs alone)
             hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching else []
             cached = manager.cached_prefix(seq, hashes)
             if len(cached) < len(hashes) and hashes[len(cached)] in computing:
@@ -123,12 +127,14 @@ class Scheduler:
             # not interleaved with the chunks of the sequences admitted beside it.
             if not manager.allocate_slots(seq, uncomputed, cached):
                 break
-            if seq.num_output_tokens == 0 and seq.num_cached_tokens == 0:
+            if not seq.prefix_looked_up:
+                seq.prefix_looked_up = True
                 seq.num_cached_tokens = len(cached) * manager.block_size
                 manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            occupied += seq.width
             batch.add(seq, num_tokens)
             budget -= num_tokens
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
@@ -159,8 +165,7 @@ class Scheduler:
             self.swapped.append((seq, saved))
             return
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.add(seq)
 
     # -- after the step -------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -37,8 +37,9 @@ class Sequence:
     priority: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    #: Prompt tokens found in the prefix cache at the first admission (reported to the user).
+    #: Prompt tokens found in the prefix cache at the first admission (reported to the user), once looked up.
     num_cached_tokens: int = 0
+    prefix_looked_up: bool = False
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     #: Per-request random stream (``SamplingParams.seed``), shared by the request's completions.
@@ -76,9 +77,21 @@ class Sequence:
         self.last_token_time = now
 
     def fork(self, seq_id: int, index: int) -> Sequence:
-        """A sibling sharing this sequence's tokens and blocks (the caller raises the blocks' ref counts)."""
+        """A sibling sharing this sequence's tokens and blocks (the caller raises the blocks' ref counts).
+
+        A seeded request's siblings get streams of their own (seed + index, as vLLM), so what one
+        draws never depends on which of them sample in the same step.
+        """
+        seed = self.params.seed
+        generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         return Sequence(
             seq_id, self.request_id, list(self.token_ids), self.num_prompt_tokens, self.params, self.arrival_time,
             index=index, priority=self.priority, status=self.status, num_computed_tokens=self.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens, block_table=list(self.block_table), generator=self.generator,
+            num_cached_tokens=self.num_cached_tokens, prefix_looked_up=True, block_table=list(self.block_table),
+            generator=generator,
         )  # fmt: skip
+
+    @property
+    def width(self) -> int:
+        """Sequences this one will run as: ``n`` until a parallel-sampling request forks, then 1."""
+        return self.params.n if self.num_output_tokens == 0 else 1

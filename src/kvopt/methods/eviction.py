@@ -10,9 +10,10 @@ recent ``window`` tokens, never keeps padding as a kept token, selects the top t
 Budgets: ``ratio`` is the fraction of the *prompt* removed at the prefill, kvpress's
 convention: tokens that arrive later (the question, the answer) are added on top, so at equal
 ratio every method and every press holds the same number of tokens; ``budget`` is the number
-of tokens kept per sequence, head and layer at all times, the papers' ``max_capacity``
-convention, which bounds memory during long generations. Protected recent tokens count
-inside the budget.
+of tokens kept per sequence, head and layer, the papers' ``max_capacity`` convention: at all
+times for ``decode`` schedules (memory stays bounded during long generations), and for the
+prompt's share for ``prefill`` schedules (decoded tokens come on top). Protected recent tokens
+count inside the budget.
 
 Schedules: ``prefill`` methods compress once, right after the first forward pass (SnapKV
 family); ``decode`` methods compress whenever the cache holds ``compress_every`` tokens more
@@ -44,7 +45,8 @@ class Eviction(Method):
     schedule: ClassVar[str] = "prefill"
     selects_per_head = True
     budget_convention = (
-        "ratio = fraction of the prompt removed (later tokens added), or budget = tokens kept at all times"
+        "ratio = fraction of the prompt removed (later tokens added), or budget = tokens kept (of the prompt for "
+        "prefill-time methods, at all times for decode-time ones)"
     )
 
     def validate(self) -> None:
