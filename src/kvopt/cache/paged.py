@@ -48,7 +48,7 @@ class SequenceSlots:
         stored = runs if queries == 1 else _first_tokens(runs, sum(b - a for a, b in runs) - queries)
         main = max(stored, key=lambda run: run[1] - run[0], default=(0, 0))
         others = [run for run in stored if run is not main]
-        rest = torch.cat([torch.arange(a, b) for a, b in others]).to(device) if others else None
+        rest = slots_of(others, device) if others else None
         return cls(first, end, runs, main, rest)
 
     @property
@@ -57,7 +57,7 @@ class SequenceSlots:
 
     def window(self, tokens: int, device) -> SequenceSlots:
         """The same sequence restricted to its last ``tokens`` context tokens (a sliding-window layer)."""
-        return SequenceSlots.of(self.first, self.end, _last_tokens(self.runs, tokens), device)
+        return SequenceSlots.of(self.first, self.end, last_tokens(self.runs, tokens), device)
 
 
 @dataclass(slots=True)
@@ -253,7 +253,7 @@ def _attend_chunk(query, new_keys, new_values, keys, values, seq: SequenceSlots,
 def _attend_windowed_chunk(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap) -> torch.Tensor:
     """A prefill chunk of a sliding-window layer: each query has its own window, so the context is
     gathered whole and masked by positions. Returns ``[1, queries, heads, dim]``."""
-    index = torch.cat([torch.arange(a, b, device=keys.device) for a, b in seq.runs])
+    index = slots_of(seq.runs, keys.device)
     context_keys, context_values = keys[None].index_select(2, index), values[None].index_select(2, index)
     tokens = context_keys.shape[2]
     positions = torch.arange(tokens, device=query.device)
@@ -275,7 +275,12 @@ def _first_tokens(runs: list[tuple[int, int]], count: int) -> list[tuple[int, in
     return kept
 
 
-def _last_tokens(runs: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+def slots_of(runs: list[tuple[int, int]], device=None) -> torch.Tensor:
+    """The slots of ``runs``, in order, ``[tokens]`` int64."""
+    return torch.cat([torch.arange(start, stop, device=device) for start, stop in runs])
+
+
+def last_tokens(runs: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     """The runs holding the last ``count`` tokens."""
     kept = []
     for start, stop in reversed(runs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots
+from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots, last_tokens, slots_of
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.engine.sequence import Sequence
 from kvopt.models.info import ModelInfo
@@ -47,7 +47,7 @@ class ModelRunner:
             ids.extend(seq.token_ids[first : first + count])
             positions.extend(range(first, first + count))
             runs = self._runs(seq, first + count)
-            new_slots.append(_slots_of(runs, first))
+            new_slots.append(slots_of(last_tokens(runs, count)))
             sequences.append(SequenceSlots.of(row, row + count, runs, self.device))
             row += count
             if batch.samples(index):
@@ -77,8 +77,3 @@ class ModelRunner:
                 runs.append((block * size, stop))
         return runs
 
-
-def _slots_of(runs: list[tuple[int, int]], skip: int) -> torch.Tensor:
-    """The slots of ``runs`` after the first ``skip`` tokens, ``[tokens]`` int64."""
-    slots = torch.cat([torch.arange(start, stop) for start, stop in runs])
-    return slots[skip:]
