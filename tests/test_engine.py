@@ -245,11 +245,6 @@ def test_metrics_snapshot_names(references):
     assert metrics["inter_token_latency_seconds"]["count"] == 4 * (NEW_TOKENS - 1)
 
 
-def test_compressed_methods_are_refused_clearly():
-    with pytest.raises(EngineConfigError, match="lossless paged cache"):
-        LLM(tiny_model("llama"), kv_method="snapkv:ratio=0.5")
-
-
 def test_long_prompt_in_chunks_smaller_than_a_block(references):
     """Steps where no sequence samples (a prompt mid-prefill) and chunks that end inside a block."""
     model, prompts, expected = references("mistral")

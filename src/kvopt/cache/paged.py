@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvopt.cache import attention
+from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
 from kvopt.cache.seam_layer import SeamLayer
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
@@ -41,15 +42,19 @@ class SequenceSlots:
     #: its longest run, read in place, and the slots of its other runs, gathered (None if none).
     main: tuple[int, int] = (0, 0)
     rest: torch.Tensor | None = None
+    #: Quantized groups a compressed sequence also attends to (in code blocks), if any.
+    codes: CodedTokens | None = None
 
     @classmethod
-    def of(cls, first: int, end: int, runs: list[tuple[int, int]], device) -> SequenceSlots:
+    def of(
+        cls, first: int, end: int, runs: list[tuple[int, int]], device, codes: CodedTokens | None = None
+    ) -> SequenceSlots:  # fmt: skip
         queries = end - first
         stored = runs if queries == 1 else _first_tokens(runs, sum(b - a for a, b in runs) - queries)
         main = max(stored, key=lambda run: run[1] - run[0], default=(0, 0))
         others = [run for run in stored if run is not main]
         rest = slots_of(others, device) if others else None
-        return cls(first, end, runs, main, rest)
+        return cls(first, end, runs, main, rest, codes)
 
     @property
     def context_length(self) -> int:
@@ -74,7 +79,7 @@ class DecodeGroup:
 
     @classmethod
     def of(cls, sequences: list[SequenceSlots], device) -> DecodeGroup | None:
-        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1]
+        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and seq.codes is None]
         if not members:
             return None
         rows = torch.tensor([sequences[i].first for i in members], device=device)
@@ -95,10 +100,14 @@ class DecodeGroup:
 class PagedBatch:
     """What attention needs to know about one step (vLLM's attention metadata)."""
 
-    #: Slot of every new token of the flattened batch, ``[tokens]`` int64.
+    #: Slot of every new token of the flattened batch that is stored as computed, ``[stored tokens]`` int64.
     slot_mapping: torch.Tensor
     sequences: list[SequenceSlots] = field(default_factory=list)
     decodes: DecodeGroup | None = None
+    #: Rows of the flattened batch ``slot_mapping`` stores (None: all): a compressed prompt's rows go
+    #: to its methods instead (see :mod:`kvopt.cache.paged_compressed`).
+    stored_rows: torch.Tensor | None = None
+    compressed: list[CompressedStep] = field(default_factory=list)
 
 
 class PagedKVPool:
@@ -160,27 +169,48 @@ class PagedLayer(SeamLayer):
         if batch is None or padding is not None:
             raise CacheUsageError("a paged KV cache is driven by the kvopt engine (kvopt.LLM), not called directly")
         self.take_parked(value)
-        keys, values = self.cache.pool.keys[self.index], self.cache.pool.values[self.index]
-        keys.index_copy_(1, batch.slot_mapping, key[0])
-        values.index_copy_(1, batch.slot_mapping, value[0])
+        pool = self.cache.pool
+        keys, values = pool.keys[self.index], pool.values[self.index]
+        stored_keys, stored_values = key[0], value[0]
+        if batch.stored_rows is not None:
+            stored_keys, stored_values = key[0].index_select(1, batch.stored_rows), value[0].index_select(1, batch.stored_rows)
+        keys.index_copy_(1, batch.slot_mapping, stored_keys)
+        values.index_copy_(1, batch.slot_mapping, stored_values)
         output = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
         plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
         batched = batch.decodes is not None and plain and attention.cpu_flash_available(query)
+        done = set()
         if batched:
             output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling)
-        for seq in batch.sequences:
-            if batched and seq.end - seq.first == 1:
+            done.update(batch.decodes.members)
+        for index, seq in enumerate(batch.sequences):
+            if index in done:
                 continue
             rows = slice(seq.first, seq.end)
             if seq.end - seq.first == 1:
-                output[:, seq.first] = _attend_one(query[:, :, rows], keys, values, seq, scaling, sliding_window, softcap)
+                output[:, seq.first] = _attend_one(query[:, :, rows], keys, values, seq, scaling, sliding_window, softcap,
+                                                   (pool, self.index))  # fmt: skip
             elif sliding_window is None:
                 output[:, rows] = _attend_chunk(query[:, :, rows], key[:, :, rows], value[:, :, rows], keys, values,
                                                 seq, scaling, softcap)  # fmt: skip
             else:
                 output[:, rows] = _attend_windowed_chunk(query[:, :, rows], keys, values, seq, scaling, sliding_window,
                                                          softcap)  # fmt: skip
+        for step in batch.compressed:
+            rows = slice(step.first, step.end)
+            if step.is_prefill:
+                seq_keys, seq_values = key[:, :, rows], value[:, :, rows]
+            else:
+                seq_keys, seq_values = _read_runs(keys, step.runs), _read_runs(values, step.runs)
+            step.kv.after_attention(self.index, module, pool, step, query[:, :, rows], seq_keys, seq_values, scaling)
         return output
+
+
+def _read_runs(pool_tensor: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``[1, kv_heads, tokens, dim]`` of the slots in ``runs``: a view when they are one run, else a copy."""
+    if len(runs) == 1:
+        return pool_tensor[None, :, runs[0][0] : runs[0][1]]
+    return pool_tensor[None].index_select(2, slots_of(runs, pool_tensor.device))
 
 
 def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -224,11 +254,17 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
     return merged.to(query.dtype)
 
 
-def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap) -> torch.Tensor:
-    """One query over its whole context (all of it visible, but for a sliding window's limit): ``[1, heads, dim]``."""
+def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap, layer) -> torch.Tensor:
+    """One query over its whole context (all of it visible, but for a sliding window's limit): ``[1, heads, dim]``.
+
+    ``layer`` is ``(pool, index)``, where a compressed sequence's quantized groups are read."""
     if sliding_window is not None and seq.context_length > sliding_window:
         seq = seq.window(sliding_window, keys.device)
-    output, _ = attention.merge_with_lse(_attend_stored(query, keys, values, seq, scaling, softcap))
+    parts = _attend_stored(query, keys, values, seq, scaling, softcap)
+    if seq.codes is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        parts.append(seq.codes.attend(*layer, query, scale, softcap))
+    output, _ = attention.merge_with_lse(parts)
     return output[:, :, 0].to(query.dtype)
 
 
@@ -236,12 +272,13 @@ def _attend_chunk(query, new_keys, new_values, keys, values, seq: SequenceSlots,
     """A prefill chunk: every query sees all earlier tokens (in the pool) and the chunk's own keys causally.
 
     The two are attended separately and merged by log-sum-exp, so neither the context is
-    gathered nor a mask over it built; a chunk with no earlier context (a whole prompt) is
-    one causal SDPA call, as HF computes it. Returns ``[1, queries, heads, dim]``.
+    gathered nor a mask over it built; a chunk with no earlier context (a whole prompt; a
+    compressed prompt, whose tokens go to its methods, not its slots) is one causal SDPA call,
+    as HF computes it. Returns ``[1, queries, heads, dim]``.
     """
     count = query.shape[2]
     own = torch.arange(count, device=query.device)
-    if seq.context_length == count:
+    if seq.context_length <= count:
         return attention.attend(query, new_keys, new_values, own[None, None], None, own, scaling, None, softcap)
     causal = (own[None, :] <= own[:, None])[None, None]
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)

@@ -59,6 +59,37 @@ class DenseKVStore:
         #: True while all KV heads hold the same tokens (no per-head eviction); masks then broadcast over heads.
         self.heads_aligned = True
 
+    @classmethod
+    def wrap(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None, first_position: int = 0,
+        heads_aligned: bool = True, extras: dict[str, torch.Tensor] | None = None,
+    ) -> DenseKVStore:  # fmt: skip
+        """A store over existing tensors (no copy), every token real: how the serving engine shows one
+        sequence's tokens, kept in its paged blocks, to the methods. ``positions [batch, kv_heads, tokens]``,
+        or None for a run from ``first_position``; ``extras`` are the methods' per-token tensors by name.
+        Writes never land in ``keys``/``values``: evicting or moving tokens installs fresh buffers."""
+        store = cls()
+        store._buffers = {"keys": keys, "values": values}
+        if positions is not None:
+            store._buffers["positions"] = positions
+            store.first_position = None
+        else:
+            store.first_position = first_position
+        for name, tensor in (extras or {}).items():
+            store._buffers[f"extra:{name}"] = tensor
+        store.end = keys.shape[TOKEN_AXIS]
+        store.heads_aligned = heads_aligned
+        return store
+
+    def wraps(self, keys: torch.Tensor) -> bool:
+        """True while the live keys are exactly the ``keys`` given to :meth:`wrap` (nothing evicted or moved)."""
+        return self._buffers.get("keys") is keys and self.start == 0 and self.end == keys.shape[TOKEN_AXIS]
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        """The methods' per-token tensors by name (live views)."""
+        prefix = "extra:"
+        return {name[len(prefix) :]: self._live(name) for name in self._buffers if name.startswith(prefix)}
+
     # -- views ---------------------------------------------------------------------------
     @property
     def is_empty(self) -> bool:

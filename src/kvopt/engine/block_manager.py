@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,32 +101,33 @@ class BlockManager:
         consecutive slots, which attention reads in place.
         """
         cached = cached or []
-        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        stored = seq.num_stored_tokens + len(cached) * self.block_size
         have = len(seq.block_table) + len(cached)
-        fresh = max(self.blocks_needed(computed + num_new_tokens) - have, 0)
-        copy_on_write = self._shared_tail(seq, computed) is not None
+        fresh = max(self.blocks_needed(stored + num_new_tokens) - have, 0)
+        copy_on_write = self._shared_tail(seq, stored) is not None
         revived = sum(1 for block_id in cached if self.blocks[block_id].ref_count == 0)
         if fresh + copy_on_write + revived > len(self.free_queue):
             return False
         for block_id in cached:
             self._acquire(block_id)
             seq.block_table.append(block_id)
-        seq.num_computed_tokens = computed
+        if cached:  # only lossless sequences use the prefix cache: stored tokens are computed tokens
+            seq.num_computed_tokens = stored
         if copy_on_write:
-            self._copy_on_write(seq, computed)
+            self._copy_on_write(seq, stored)
         for _ in range(fresh):
             seq.block_table.append(self._take_free_block(seq.block_table[-1] + 1 if seq.block_table else None))
         return True
 
-    def _shared_tail(self, seq: Sequence, computed: int) -> int | None:
+    def _shared_tail(self, seq: Sequence, stored: int) -> int | None:
         """Index in ``seq.block_table`` of the partly filled block the next token goes into, if shared."""
-        index = computed // self.block_size
-        if computed % self.block_size == 0 or index >= len(seq.block_table):
+        index = stored // self.block_size
+        if stored % self.block_size == 0 or index >= len(seq.block_table):
             return None
         return index if self.blocks[seq.block_table[index]].ref_count > 1 else None
 
-    def _copy_on_write(self, seq: Sequence, computed: int) -> None:
-        index = self._shared_tail(seq, computed)
+    def _copy_on_write(self, seq: Sequence, stored: int) -> None:
+        index = self._shared_tail(seq, stored)
         source = seq.block_table[index]
         destination = self._take_free_block()
         self.blocks[source].ref_count -= 1
@@ -141,14 +143,19 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; the ones no sequence holds join the free queue, newest tokens first
         (so the shareable beginnings of prompts stay cached longest)."""
-        for block_id in reversed(seq.block_table):
+        self.release(reversed(seq.block_table + seq.code_table))
+        seq.block_table.clear()
+        seq.code_table.clear()
+        seq.num_computed_tokens = 0
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; those no sequence holds join the free queue (in this order)."""
+        for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        seq.block_table.clear()
-        seq.num_computed_tokens = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name every full, computed block of ``seq`` by its chained hash, so later prompts can reuse it."""

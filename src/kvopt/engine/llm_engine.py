@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.api import local_prose
 from kvopt.cache.paged import PagedKVPool
+from kvopt.cache.paged_compressed import CodeFormat, CompressedKV
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig, EngineConfigError, parse_memory
@@ -24,11 +26,22 @@ from kvopt.engine.sampling_params import SamplingParams
 from kvopt.engine.scheduler import Scheduler
 from kvopt.engine.sequence import Sequence
 from kvopt.errors import KVOptError
+from kvopt.methods import available, parse
+from kvopt.methods.full import Full
+from kvopt.methods.spec import storage
 from kvopt.models.info import ModelInfo
 
 
 class RequestError(KVOptError):
     """A request cannot be served as given (too long, empty, unknown tokens); it alone fails."""
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A compressing spec as the engine serves it: its methods and how its quantized groups fill blocks."""
+
+    methods: list
+    code_format: CodeFormat | None
 
 
 @dataclass
@@ -51,14 +64,6 @@ class Request:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.kv_method != "full":
-            from kvopt.methods import parse
-
-            parse(config.kv_method)  # a malformed spec names its own problem first
-            raise EngineConfigError(
-                f"kv_method={config.kv_method!r}: the engine serves the lossless paged cache ('full') so far; "
-                "compressed methods run through kvopt.cache(...) with model.generate"
-            )
         self.model, self.tokenizer = model, tokenizer
         self.info = ModelInfo.from_config(model.config)
         positions = self.info.max_positions or config.max_model_len or 2048
@@ -75,6 +80,13 @@ class LLMEngine:
                 "raise kv_memory or lower max_model_len"
             )
         salt = f"{getattr(model.config, '_name_or_path', '')}|{model.config.model_type}|{dtype}|{config.kv_method}"
+        self.block_bytes = block_bytes
+        self.dtype = dtype
+        self._compressions: dict[str, Compression | None] = {}
+        try:
+            self._compression(config.kv_method)
+        except KVOptError as error:
+            raise EngineConfigError(str(error)) from None
         self.block_manager = BlockManager(num_blocks, config.block_size, salt, config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.info, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.runner)
@@ -107,8 +119,12 @@ class LLMEngine:
             del self.requests[request_id]
             return
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        compression = self._compression(params.kv_method or self.config.kv_method)
+        kv = None
+        if compression is not None:
+            kv = CompressedKV(compression.methods, self.info.num_layers, self.config.block_size, compression.code_format)
         seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, priority=priority,
-                       generator=generator)  # fmt: skip
+                       generator=generator, kv=kv)  # fmt: skip
         request.seqs.append(seq)
         self._add_detokenizer(request, seq)
         self.scheduler.add(seq)
@@ -132,12 +148,48 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
                 "(prompt plus at least one new token); shorten the prompt"
             )
-        if params.kv_method not in (None, self.config.kv_method):
-            return (
-                f"kv_method={params.kv_method!r} per request is not served yet; "
-                f"this engine runs {self.config.kv_method!r}"
-            )
+        spec = params.kv_method or self.config.kv_method
+        try:
+            compressed = self._compression(spec) is not None
+        except KVOptError as error:
+            return str(error)
+        if compressed and params.n > 1:
+            return f"n={params.n} parallel samples share blocks, which kv_method={spec!r} compacts; use n=1 or kv_method='full'"
         return None
+
+    def _compression(self, spec: str) -> Compression | None:
+        """The methods of ``spec``, checked for this model and the engine's blocks (None: lossless); cached per spec."""
+        if spec not in self._compressions:
+            self._compressions[spec] = self._check_compression(spec)
+        return self._compressions[spec]
+
+    def _check_compression(self, spec: str) -> Compression | None:
+        methods = parse(spec)
+        if all(type(method) is Full for method in methods):
+            return None
+        unserved = [method.spec() for method in methods if not method.runs_in_engine]
+        if unserved:
+            served = ", ".join(cls.name for cls in available() if cls.runs_in_engine)
+            raise RequestError(
+                f"kv_method={spec!r}: {', '.join(unserved)} is not served by the engine yet (its layers or heads keep "
+                f"different numbers of tokens, or it re-rotates keys when reading them); the engine serves {served}; "
+                "run it with kvopt.cache(...) and model.generate"
+            )
+        if any(window is not None for window in self.info.sliding_windows):
+            raise RequestError(
+                f"kv_method={spec!r}: compressed blocks on a model with sliding-window layers are not served yet; "
+                "use kv_method='full', or kvopt.cache(...) with model.generate"
+            )
+        for method in methods:
+            method.check_model(self.info)
+            method.prepare(self.model, local_prose)
+        quantizers = [method for method in methods if storage(method) == "quantized"]
+        code_format = None
+        if quantizers:
+            method = quantizers[0]
+            code_format = CodeFormat.probe(self.info, self.dtype, self.config.block_size, method.bits, method.group,
+                                           method.key_mode)  # fmt: skip
+        return Compression(methods, code_format)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (unknown or finished ids are ignored)."""
@@ -166,7 +218,12 @@ class LLMEngine:
         tokens = sampler.sample(logits, sampling, self.generator)  # before committing: a failure changes nothing
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
-            self.block_manager.cache_full_blocks(seq)
+            if seq.kv is None:
+                self.block_manager.cache_full_blocks(seq)
+            else:
+                layout = seq.kv.commit()
+                seq.block_table, seq.code_table = layout.block_table, layout.code_table
+                self.block_manager.release(layout.freed)
         now = time.perf_counter()
         self.stats.busy_seconds += now - started
         touched: dict[str, Request] = {}
@@ -272,6 +329,8 @@ class LLMEngine:
             "kv_slots_allocated": allocated,
             "kv_slots_used": used,
             "kv_memory_waste_perc": 1.0 - used / allocated if allocated else 0.0,
+            "kv_bytes_held": manager.num_used_blocks * self.block_bytes,
+            "kv_bytes_saved_by_compression": self.bytes_saved(),
             "prefix_cache_queries_total": manager.prefix_stats.queries,
             "prefix_cache_hits_total": manager.prefix_stats.hits,
             "num_preemptions_total": scheduler.num_preemptions,
@@ -288,13 +347,27 @@ class LLMEngine:
         }
 
     def slot_usage(self) -> tuple[int, int]:
-        """Token slots in blocks held by running sequences, and how many of them hold computed tokens."""
+        """Token slots in blocks held by running sequences, and how many of them hold stored tokens
+        (a block of quantized groups counts the share of its records in use)."""
         size, filled = self.block_manager.block_size, {}
         for seq in self.scheduler.running:
             for index, block_id in enumerate(seq.block_table):
-                tokens = min(size, max(0, seq.num_computed_tokens - index * size))
+                tokens = min(size, max(0, seq.num_stored_tokens - index * size))
                 filled[block_id] = max(filled.get(block_id, 0), tokens)
+            if seq.code_table:
+                per_block = seq.kv.code_format.groups_per_block
+                for index, block_id in enumerate(seq.code_table):
+                    filled[block_id] = size * min(per_block, seq.kv.groups - index * per_block) // per_block
         return len(filled) * size, sum(filled.values())
+
+    def bytes_saved(self) -> int:
+        """Bytes the running compressed sequences would take in full precision, less the blocks they hold."""
+        token_bytes = self.block_bytes // self.block_manager.block_size
+        return sum(
+            seq.num_computed_tokens * token_bytes - seq.kv.nbytes(self.block_bytes)
+            for seq in self.scheduler.running
+            if seq.kv is not None
+        )
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots, last_tokens, slots_of
+from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.engine.sequence import Sequence
 from kvopt.models.info import ModelInfo
@@ -40,20 +41,28 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
         """Compute the batch's tokens; returns fp32 logits ``[sampling sequences, vocab]`` in batch order."""
         self.pool.copy_blocks(copies)
-        ids, positions, new_slots, logit_rows, sequences = [], [], [], [], []
+        ids, positions, new_slots, logit_rows, sequences, compressed, stored_rows = [], [], [], [], [], [], []
+        device = self.device
         row = 0
         for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_tokens)):
             first = seq.num_computed_tokens
             ids.extend(seq.token_ids[first : first + count])
             positions.extend(range(first, first + count))
-            runs = self._runs(seq, first + count)
-            new_slots.append(slots_of(last_tokens(runs, count)))
-            sequences.append(SequenceSlots.of(row, row + count, runs, self.device))
+            is_prefill = seq.kv is not None and first == 0  # a compressed prompt: its tokens go to its methods
+            runs = [] if is_prefill else self._runs(seq, seq.num_stored_tokens + count)
+            if not is_prefill:
+                new_slots.append(slots_of(last_tokens(runs, count)))
+                stored_rows.extend(range(row, row + count))
+            sequences.append(SequenceSlots.of(row, row + count, runs, device, self._codes(seq)))
+            if seq.kv is not None:
+                compressed.append(CompressedStep(seq.kv, row, row + count, first, is_prefill, runs,
+                                                 list(seq.block_table), list(seq.code_table)))  # fmt: skip
             row += count
             if batch.samples(index):
                 logit_rows.append(row - 1)
-        device = self.device
-        self.cache.batch = PagedBatch(torch.cat(new_slots).to(device), sequences, DecodeGroup.of(sequences, device))
+        slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device)
+        rows = None if len(stored_rows) == row else torch.tensor(stored_rows, dtype=torch.long, device=device)
+        self.cache.batch = PagedBatch(slot_mapping, sequences, DecodeGroup.of(sequences, device), rows, compressed)
         try:
             output = self.model(
                 input_ids=torch.tensor([ids], device=device),
@@ -65,6 +74,13 @@ class ModelRunner:
         finally:
             self.cache.batch = None
         return output.logits[0].float()
+
+    def _codes(self, seq: Sequence) -> CodedTokens | None:
+        """Where a compressed sequence's quantized groups are, for attention (None when it has none)."""
+        if seq.kv is None or not seq.kv.groups:
+            return None
+        code_format = seq.kv.code_format
+        return CodedTokens(code_format, code_format.locate(seq.code_table, 0, seq.kv.groups, self.device))
 
     def _runs(self, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
         """Maximal runs of consecutive slots holding ``seq``'s first ``tokens`` tokens, in order."""

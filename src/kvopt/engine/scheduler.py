@@ -113,19 +113,25 @@ class Scheduler:
         manager = self.block_manager
         computing: set[bytes] = set()  # hashes of the full prompt blocks this step computes
         occupied = sum(seq.width for seq in self.running)  # a parallel-sampling request will run as n
+        admitted = False
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if occupied and occupied + seq.width > self.config.max_num_seqs:
                 break  # (a request wider than max_num_seqs runs alone)
-            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching else []
+            compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
+            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
             cached = manager.cached_prefix(seq, hashes)
             if len(cached) < len(hashes) and hashes[len(cached)] in computing:
                 break  # cached after this step: admitted next step, computing only what is its own
             uncomputed = len(seq) - len(cached) * manager.block_size
-            num_tokens = min(uncomputed, budget)
+            if compressed and uncomputed > budget and admitted:
+                break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
+            num_tokens = uncomputed if compressed else min(uncomputed, budget)
             # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
-            # not interleaved with the chunks of the sequences admitted beside it.
-            if not manager.allocate_slots(seq, uncomputed, cached):
+            # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
+            # gets blocks for what its methods keep (its own tokens never reach its slots).
+            slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
+            if not manager.allocate_slots(seq, slots, cached):
                 break
             if not seq.prefix_looked_up:
                 seq.prefix_looked_up = True
@@ -135,6 +141,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             occupied += seq.width
+            admitted = True
             batch.add(seq, num_tokens)
             budget -= num_tokens
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
@@ -155,8 +162,11 @@ class Scheduler:
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks: swapped to host memory in ``swap`` mode, else recomputed later. A
+        compressed sequence is always recomputed (its methods compress prompt and output anew)."""
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.swapper is not None and seq.num_computed_tokens:
+        swap = self.config.preemption_mode == "swap" and self.swapper is not None and seq.kv is None
+        if swap and seq.num_computed_tokens:
             saved = self.swapper.swap_out(seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)])
             computed = seq.num_computed_tokens
             self.block_manager.free(seq)
@@ -165,6 +175,8 @@ class Scheduler:
             self.swapped.append((seq, saved))
             return
         self.block_manager.free(seq)
+        if seq.kv is not None:
+            seq.kv.reset()
         self.add(seq)
 
     # -- after the step -------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.paged_compressed import CompressedKV
 from kvopt.engine.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose keys/values are written (or were found in the
     prefix cache); the newest sampled token is never computed until the next step feeds it.
+    It is also the next token's position; a compressed sequence stores fewer tokens than that.
     """
 
     seq_id: int
@@ -41,6 +43,10 @@ class Sequence:
     num_cached_tokens: int = 0
     prefix_looked_up: bool = False
     block_table: list[int] = field(default_factory=list)
+    #: A compressed sequence's cache state (None: lossless, every computed token in ``block_table``).
+    kv: CompressedKV | None = None
+    #: A compressed sequence's blocks of quantized groups.
+    code_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     #: Per-request random stream (``SamplingParams.seed``), shared by the request's completions.
     generator: torch.Generator | None = None
@@ -63,6 +69,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Tokens in the slots of ``block_table`` (fewer than computed once a method compressed them)."""
+        return self.num_computed_tokens if self.kv is None else self.kv.stored
 
     @property
     def num_uncomputed_tokens(self) -> int:

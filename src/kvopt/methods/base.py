@@ -78,6 +78,10 @@ class Method:
 
     #: True when the method keeps a different token set per KV head (so positions are per head).
     selects_per_head: ClassVar[bool] = False
+    #: True when the serving engine's paged blocks can hold what the method keeps (``kvopt.LLM`` serves
+    #: it): every layer and KV head keeps the same number of tokens, at full precision or in one
+    #: quantized format, and attention reads the keys as stored.
+    runs_in_engine: ClassVar[bool] = False
 
     def owns_layer(self, index: int) -> bool:
         """True when this method stores layer ``index``'s tokens its own way (cross-layer merging)."""

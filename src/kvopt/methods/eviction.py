@@ -44,6 +44,7 @@ class Eviction(Method):
 
     schedule: ClassVar[str] = "prefill"
     selects_per_head = True
+    runs_in_engine = True
     budget_convention = (
         "ratio = fraction of the prompt removed (later tokens added), or budget = tokens kept (of the prompt for "
         "prefill-time methods, at all times for decode-time ones)"

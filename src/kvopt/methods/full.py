@@ -15,3 +15,4 @@ class Full(Method):
     name = "full"
     summary = "lossless: keep every token (the baseline every method is compared with)"
     budget_convention = "keeps every token"
+    runs_in_engine = True

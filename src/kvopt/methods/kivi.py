@@ -31,6 +31,8 @@ class KIVI(Quantization):
     name = "kivi"
     summary = "KIVI quantization: keys per channel, values per token, 2/4/8-bit bit-packed, recent tokens in fp"
 
+    runs_in_engine = True
+
     bits: int = field(default=4, metadata={"help": "bits per quantized element: 2, 4 or 8"})
 
     def validate(self) -> None:

@@ -75,6 +75,10 @@ class StreamingLLM(Eviction):
     )
 
     @property
+    def runs_in_engine(self) -> bool:  # rolled positions re-rotate keys at read time, which paged attention does not
+        return self.rolling != "always"
+
+    @property
     def extends_context(self) -> bool:  # the cache lets rolling runs go past max_position_embeddings
         return self.rolling != "never"
 

@@ -1,0 +1,329 @@
+"""Compressed sequences in the paged pool: methods run unchanged, what they keep takes fewer blocks.
+
+A sequence served with a compressing spec (``snapkv:ratio=0.75``, ``h2o:budget=256``,
+``kivi:bits=4``, ``snapkv:ratio=0.75+kivi:bits=4``, ...) keeps two tables of blocks:
+
+- **full-precision blocks**: its stored tokens, *compacted*: stored token ``j`` sits at slot
+  ``j`` of the table, and heads that kept different tokens (per-head selection) hold them at
+  the same slot. Decode attention sees every stored token, so it needs no positions and reads
+  these blocks exactly as it reads a lossless sequence's (in place, batched with the others).
+- **code blocks**: whole quantization groups of bit-packed keys/values with their fp16
+  scales and zero-points, several groups per block (:class:`CodeFormat`), dequantized by
+  :class:`~kvopt.cache.quantized.QuantizedKV` at read time.
+
+After each attention call of each layer, the engine shows the sequence's tokens to the
+spec's methods as a one-sequence :class:`~kvopt.cache.layer.KVLayer` over views of the pool
+(:meth:`CompressedKV.after_attention`) and the methods act exactly as they do in
+``model.generate``: they evict (the survivors are written back compacted), quantize whole
+groups (written into code blocks), and keep their per-token scores and per-layer state here
+between steps. Blocks a step empties go back to the pool, so the pool holds as many more
+sequences as the method compresses.
+
+A prompt is computed in one pass and never stored in full: each layer's new keys/values go
+from the forward pass straight to the methods, and only what they keep is written to blocks
+(the prefill peak is one layer of one prompt, not the whole prompt in every layer). Every
+layer must keep the same number of tokens (one block table serves all layers): methods that
+give layers or heads their own budgets (pyramidkv, adakv, kvzip) and cross-layer merging are
+not served yet (``Method.runs_in_engine``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvopt.cache import quant
+from kvopt.cache.layer import AttentionStep, KVLayer
+from kvopt.cache.positions import TokenIndex
+from kvopt.cache.quantized import QuantizedKV
+from kvopt.cache.storage import DenseKVStore
+from kvopt.errors import CacheUsageError
+from kvopt.models.info import ModelInfo
+
+#: ``(shape after the group axis, dtype)`` of a quantized tensor's codes, scales and zero-points.
+Fields = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass(frozen=True)
+class CodeFormat:
+    """How whole quantization groups (all KV heads of one layer) are laid out in a block's bytes.
+
+    A block holds ``block_size * head_dim`` elements of the model's dtype per KV head in the
+    key pool and as many in the value pool; a group's key record (codes, scale, zero) goes to
+    the key pool, its value record to the value pool, ``groups_per_block`` of each per block.
+    """
+
+    bits: int
+    group: int
+    key_mode: str
+    dtype: torch.dtype
+    block_size: int
+    key_fields: Fields
+    value_fields: Fields
+    key_dim: int
+    value_dim: int
+    groups_per_block: int
+
+    @classmethod
+    def probe(cls, info: ModelInfo, dtype: torch.dtype, block_size: int, bits: int, group: int, key_mode: str) -> CodeFormat:
+        """The layout of ``bits``-bit groups of ``group`` tokens; raises when they cannot fill blocks."""
+        heads, dim = info.num_kv_heads, info.head_dim
+        zeros = torch.zeros(1, heads, group, dim, dtype=dtype)
+        positions = torch.arange(group, dtype=torch.int32).expand(1, heads, group)
+        valid = torch.ones(1, heads, group, dtype=torch.bool)
+        part = QuantizedKV.encode(zeros, zeros, positions, valid, bits, group, key_mode)
+        key_fields, value_fields = _fields(part.keys), _fields(part.values)
+        capacity = block_size * dim * torch.empty((), dtype=dtype).element_size()
+        per_block = min(capacity // _record_bytes(key_fields), capacity // _record_bytes(value_fields))
+        if group % block_size or per_block == 0:
+            raise CacheUsageError(
+                f"{bits}-bit groups of {group} tokens do not fit the engine's blocks of {block_size} tokens "
+                f"({capacity} bytes per head); use a block_size that divides the group (e.g. block_size=16, group=32)"
+            )
+        return cls(bits, group, key_mode, dtype, block_size, key_fields, value_fields, part.keys.dim,
+                   part.values.dim, per_block)  # fmt: skip
+
+    def matches(self, part: QuantizedKV) -> bool:
+        return (part.bits, part.group, part.key_mode) == (self.bits, self.group, self.key_mode)
+
+    def records(self, pool: torch.Tensor, fields: Fields) -> torch.Tensor:
+        """One layer's key or value pool ``[H, slots, D]`` as group records ``[H, blocks, groups_per_block, bytes]``."""
+        block_bytes = self.block_size * pool.shape[-1] * pool.element_size()
+        blocks = pool.view(torch.uint8).view(pool.shape[0], -1, block_bytes)
+        size = _record_bytes(fields)
+        return blocks[:, :, : self.groups_per_block * size].unflatten(-1, (self.groups_per_block, size))
+
+    def locate(self, code_table: list[int], first: int, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block and record index of groups ``first ... first + count - 1`` of a sequence with ``code_table``."""
+        groups = torch.arange(first, first + count)
+        blocks = torch.tensor(code_table, dtype=torch.long)[groups // self.groups_per_block]
+        return blocks.to(device), (groups % self.groups_per_block).to(device)
+
+    def write(self, pool, index: int, part: QuantizedKV, where: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store ``part``'s groups (batch of one) at ``where`` in layer ``index``."""
+        self.records(pool.keys[index], self.key_fields)[:, where[0], where[1]] = serialize(part.keys)
+        self.records(pool.values[index], self.value_fields)[:, where[0], where[1]] = serialize(part.values)
+
+    def read(self, pool, index: int, where: tuple[torch.Tensor, torch.Tensor]) -> QuantizedKV:
+        """The groups at ``where`` in layer ``index`` as one quantized part (positions: a run, all older than any query)."""
+        keys = deserialize(self.records(pool.keys[index], self.key_fields)[:, where[0], where[1]], self.key_fields,
+                           self.bits, self.key_dim)  # fmt: skip
+        values = deserialize(self.records(pool.values[index], self.value_fields)[:, where[0], where[1]],
+                             self.value_fields, self.bits, self.value_dim)  # fmt: skip
+        tokens = where[0].numel() * self.group
+        index_ = TokenIndex(tokens, 1, where[0].device, start=0)
+        return QuantizedKV(keys, values, index_, self.group, self.key_mode, self.dtype)
+
+
+def _fields(groups: quant.QuantizedGroups) -> Fields:
+    return tuple((tuple(t.shape[3:]), t.dtype) for t in (groups.codes, groups.scale, groups.zero))
+
+
+def _field_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _record_bytes(fields: Fields) -> int:
+    return sum(_field_bytes(shape, dtype) for shape, dtype in fields)
+
+
+def serialize(groups: quant.QuantizedGroups) -> torch.Tensor:
+    """One sequence's groups ``[1, H, g, ...]`` as byte records ``[H, g, record bytes]``."""
+    heads, count = groups.codes.shape[1:3]
+    tensors = (groups.codes, groups.scale, groups.zero)
+    return torch.cat([t[0].reshape(heads, count, -1).contiguous().view(torch.uint8) for t in tensors], dim=-1)
+
+
+def deserialize(records: torch.Tensor, fields: Fields, bits: int, dim: int) -> quant.QuantizedGroups:
+    """Inverse of :func:`serialize`: records ``[H, g, bytes]`` as groups ``[1, H, g, ...]``."""
+    heads, count = records.shape[:2]
+    tensors, offset = [], 0
+    for shape, dtype in fields:
+        size = _field_bytes(shape, dtype)
+        tensors.append(records[..., offset : offset + size].contiguous().view(dtype).reshape(1, heads, count, *shape))
+        offset += size
+    return quant.QuantizedGroups(*tensors, bits, dim)
+
+
+@dataclass
+class LayerMemo:
+    """What one layer's methods keep for a sequence between steps, besides the tokens in its blocks."""
+
+    #: Sequence index of each stored token ``[1, kv_heads, stored]``; None while they are a run from ``first_position``.
+    positions: torch.Tensor | None = None
+    first_position: int = 0
+    heads_aligned: bool = True
+    #: Per-token tensors of the methods (e.g. H2O's accumulated attention), ``[1, kv_heads, stored]``.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: ``KVLayer.state``: per-layer state of the methods (e.g. a budget fixed at the prefill).
+    state: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    """Where a sequence's tokens sit after this step; decided by the first layer, followed by every other."""
+
+    stored: int
+    groups: int
+    block_table: list[int]
+    code_table: list[int]
+    #: Blocks the sequence no longer needs (the engine returns them to the pool).
+    freed: list[int]
+
+
+@dataclass
+class CompressedStep:
+    """One compressed sequence in the step (part of the per-step context)."""
+
+    kv: CompressedKV
+    #: Its query rows ``first:end`` of the flattened batch.
+    first: int
+    end: int
+    #: Tokens computed before this step; whether this step is its prefill (one pass, nothing stored yet).
+    computed: int
+    is_prefill: bool
+    #: Runs of slots holding its stored tokens, the new ones included (none at the prefill: they come
+    #: straight from the forward pass).
+    runs: list[tuple[int, int]]
+    block_table: list[int]
+    code_table: list[int]
+
+
+class CompressedKV:
+    """One sequence's compressed cache: counts, per-layer method state, and this step's layout."""
+
+    def __init__(self, methods: list, num_layers: int, block_size: int, code_format: CodeFormat | None) -> None:
+        self.methods = methods
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.code_format = code_format
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the sequence is recomputed from its tokens)."""
+        self.memos = [LayerMemo() for _ in range(self.num_layers)]
+        #: Full-precision tokens in the block table, and quantized groups in the code table.
+        self.stored = 0
+        self.groups = 0
+        self.layout: Layout | None = None
+
+    def reserve_tokens(self, tokens: int) -> int:
+        """Full-precision slots to hold after a prefill of ``tokens`` (an upper bound: quantized groups
+        fit in the blocks their tokens leave, since a block of codes holds at least a block of tokens)."""
+        for method in self.methods:
+            tokens = method.kept_tokens(tokens) + getattr(method, "compress_every", 1) - 1
+        return tokens
+
+    def nbytes(self, block_bytes: int) -> int:
+        return (-(-self.stored // self.block_size) + self.code_blocks) * block_bytes
+
+    @property
+    def code_blocks(self) -> int:
+        return -(-self.groups // self.code_format.groups_per_block) if self.groups else 0
+
+    # -- one layer of one step ------------------------------------------------------------------
+    def after_attention(self, index, module, pool, step: CompressedStep, query, keys, values, scaling) -> None:
+        """Let the methods act on layer ``index``'s tokens (``keys/values [1, H, tokens, D]``, the new ones
+        included), then write what they keep into the step's layout."""
+        memo = self.memos[index]
+        count = step.end - step.first
+        new_positions = torch.arange(step.computed, step.computed + count, dtype=torch.int32, device=keys.device)
+        extras = {name: torch.cat([tensor, tensor.new_zeros(*tensor.shape[:2], count)], -1)
+                  for name, tensor in memo.extras.items()}  # fmt: skip
+        positions = None
+        if memo.positions is not None:
+            positions = torch.cat([memo.positions, new_positions.expand(*memo.positions.shape[:2], count)], -1)
+        store = DenseKVStore.wrap(keys, values, positions, memo.first_position, memo.heads_aligned, extras)
+        layer = KVLayer(self.methods)
+        layer.index, layer.seen, layer.state, layer.store = index, step.computed + count, memo.state, store
+        layer.seen_real = layer.seen
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        attention_step = AttentionStep(module, query, new_positions, scaling, step.is_prefill)
+        for method in self.methods:
+            method.after_attention(layer, attention_step)
+        quantized = self._quantized(layer)
+        store = layer.store
+        new_groups = sum(len(part) for part in quantized) // self.code_format.group if quantized else 0
+        layout = self._layout(index, len(store), self.groups + new_groups, step)
+        if quantized:
+            where = self.code_format.locate(layout.code_table, self.groups, new_groups, keys.device)
+            part = quantized[0]
+            for later in quantized[1:]:
+                part.extend(later)
+            self.code_format.write(pool, index, part, where)
+        if step.is_prefill or not store.wraps(keys):
+            kept_keys, kept_values = store.keys, store.values
+            if kept_keys.untyped_storage().data_ptr() == pool.keys[index].untyped_storage().data_ptr():
+                kept_keys, kept_values = kept_keys.clone(), kept_values.clone()  # reads the slots about to be written
+            slots = table_slots(layout.block_table, len(store), self.block_size, keys.device)
+            pool.keys[index].index_copy_(1, slots, kept_keys[0])
+            pool.values[index].index_copy_(1, slots, kept_values[0])
+        memo.positions = None if store.first_position is not None else store.positions
+        memo.first_position = store.first_position or 0
+        memo.heads_aligned = store.heads_aligned
+        memo.extras = store.extras()
+
+    def _quantized(self, layer: KVLayer) -> list[QuantizedKV]:
+        """The quantized parts the methods made this step (the only parts blocks can hold)."""
+        for part in layer.parts:
+            if not isinstance(part, QuantizedKV) or self.code_format is None or not self.code_format.matches(part):
+                raise CacheUsageError(
+                    f"the engine's blocks hold full-precision tokens and {self._format_name()}, but the methods made "
+                    f"{part.kind}; serve this spec with kvopt.cache(...) and model.generate"
+                )
+        return list(layer.parts)
+
+    def _format_name(self) -> str:
+        fmt = self.code_format
+        return "no quantized groups" if fmt is None else f"{fmt.bits}-bit groups of {fmt.group}"
+
+    def _layout(self, index: int, stored: int, groups: int, step: CompressedStep) -> Layout:
+        if self.layout is not None:
+            if (self.layout.stored, self.layout.groups) != (stored, groups):
+                raise CacheUsageError(
+                    f"layer {index} kept {stored} tokens ({groups} quantized groups) where the first layer kept "
+                    f"{self.layout.stored} ({self.layout.groups}); the engine's blocks need every layer to keep as many"
+                )
+            return self.layout
+        fp_blocks = -(-stored // self.block_size)
+        code_blocks = -(-groups // self.code_format.groups_per_block) if groups else 0
+        spare = step.block_table[fp_blocks:]
+        needed = code_blocks - len(step.code_table)
+        if needed > len(spare):
+            raise CacheUsageError(
+                f"a compressed sequence needs {fp_blocks} + {code_blocks} blocks but holds "
+                f"{len(step.block_table)} + {len(step.code_table)}; this is a kvopt bug, please report it"
+            )
+        taken = spare[:max(needed, 0)]
+        self.layout = Layout(stored, groups, step.block_table[:fp_blocks], step.code_table + taken, spare[len(taken):])
+        return self.layout
+
+    def commit(self) -> Layout:
+        """The step's layout, once every layer followed it (the engine updates the tables and frees blocks)."""
+        layout, self.layout = self.layout, None
+        if layout is None:
+            raise CacheUsageError("a compressed sequence's step ended before its layers ran; this is a kvopt bug")
+        self.stored, self.groups = layout.stored, layout.groups
+        return layout
+
+
+def table_slots(block_table: list[int], tokens: int, block_size: int, device=None) -> torch.Tensor:
+    """Slots of the first ``tokens`` tokens of a sequence with ``block_table``, ``[tokens]`` int64."""
+    blocks = torch.tensor(block_table[: -(-tokens // block_size)], dtype=torch.long, device=device)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
+    return slots[:tokens]
+
+
+@dataclass(frozen=True)
+class CodedTokens:
+    """A sequence's quantized groups, as attention reads them this step."""
+
+    code_format: CodeFormat
+    where: tuple[torch.Tensor, torch.Tensor]
+
+    def attend(self, pool, index: int, query: torch.Tensor, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, lse)`` of one query ``[1, H_q, 1, D]`` over every group (all older than it)."""
+        part = self.code_format.read(pool, index, self.where)
+        return part.attend(query, torch.zeros(1, dtype=torch.int32, device=query.device), scaling, softcap)

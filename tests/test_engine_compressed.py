@@ -1,0 +1,199 @@
+"""Compressed blocks in the engine: methods run unchanged, equal generate with the same cache, and free blocks."""
+
+import copy
+
+import pytest
+import torch
+
+import kvopt
+from kvopt.cache.paged import PagedKVPool
+from kvopt.cache.paged_compressed import CodeFormat
+from kvopt.cache.quantized import QuantizedKV
+from kvopt.engine import LLM, SamplingParams
+from kvopt.engine.config import EngineConfigError
+from kvopt.errors import CacheUsageError
+from kvopt.models.info import ModelInfo
+from tiny_models import VOCAB, tiny_model
+
+NEW_TOKENS = 12
+LENGTHS = [40, 90, 130, 200, 17, 64]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+SERVED = [
+    "snapkv:ratio=0.5",
+    "kivi:bits=4,residual=32",
+    "kivi:bits=2",
+    "snapkv:ratio=0.75+kivi:bits=4,residual=32",
+    "h2o:budget=48",
+    "tova:budget=40",
+    "streamingllm:budget=40",
+    "window:size=50",
+    "knorm:ratio=0.5",
+    "morphkv:budget=40",
+]
+
+
+def prompts(lengths=LENGTHS, seed=0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def generate_with_cache(model, spec: str, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """The reference: HF generate with kvopt's cache for ``spec``, one prompt at a time."""
+    output = model.generate(
+        torch.tensor([prompt]), past_key_values=kvopt.cache(spec, model), max_new_tokens=new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return output[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: tiny_model(arch) for arch in ("llama", "qwen2")}
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    assert llm.metrics()["kv_blocks_used"] == 0
+    assert all(block.ref_count == 0 for block in llm.engine.block_manager.blocks)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", SERVED)
+def test_engine_equals_generate_with_the_same_cache(arch, spec, models):
+    """Six prompts together, prefills beside decodes: every output equals generate with ``kvopt.cache(spec)``."""
+    model = models[arch]
+    llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory="4MB", max_num_batched_tokens=96)
+    outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == [generate_with_cache(model, spec, p) for p in prompts()]
+    assert_pool_empty(llm)
+
+
+def test_methods_chosen_per_request(models):
+    """One lossless engine serves requests naming their own methods; each equals its own reference."""
+    model = models["llama"]
+    llm = LLM(copy.deepcopy(model), kv_memory="4MB", max_num_batched_tokens=128)
+    specs = ["full", "snapkv:ratio=0.75+kivi:bits=4,residual=32", "h2o:budget=48", None, "kivi:bits=2,residual=32"]
+    chosen = prompts([120, 70, 150, 33, 96])
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, kv_method=spec) for spec in specs]
+    outputs = llm.generate(chosen, params, use_tqdm=False)
+    for spec, prompt, output in zip(specs, chosen, outputs):
+        assert output.outputs[0].token_ids == generate_with_cache(model, spec or "full", prompt), spec
+    assert_pool_empty(llm)
+
+
+def run_until_decoding(llm: LLM, prompt: list[int], spec: str) -> None:
+    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=200, ignore_eos=True, kv_method=spec))
+    llm.engine.step()  # the prefill
+
+
+@pytest.mark.parametrize(
+    ("spec", "blocks"),
+    [
+        ("full", 13),  # 200 tokens in blocks of 16
+        ("snapkv:ratio=0.75", 4),  # 50 kept
+        ("kivi:bits=4,residual=32", 4),  # 6 groups of 32 (2 per block at head_dim 16) + 8 full-precision tokens
+        ("snapkv:ratio=0.75+kivi:bits=4,residual=32", 3),  # 50 kept: 1 group (1 block) + 18 tokens (2 blocks)
+    ],
+)
+def test_compressed_prompt_takes_fewer_blocks(spec, blocks, models):
+    """After the prefill the pool holds what the method keeps: exactly the blocks its layout needs."""
+    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
+    run_until_decoding(llm, prompts([200])[0], spec)
+    metrics = llm.metrics()
+    assert metrics["kv_blocks_used"] == blocks
+    assert metrics["kv_bytes_held"] == blocks * llm.engine.block_bytes
+    saved = 0 if spec == "full" else 200 * llm.engine.block_bytes // 16 - blocks * llm.engine.block_bytes
+    assert metrics["kv_bytes_saved_by_compression"] == saved
+    llm.engine.abort("r")
+    assert_pool_empty(llm)
+
+
+def test_decode_time_eviction_frees_blocks_as_it_goes(models):
+    """h2o with a 40-token budget decodes 120 tokens in at most 3 blocks (40 kept + the newest)."""
+    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
+    llm.engine.add_request("r", prompts([30])[0], SamplingParams(max_tokens=120, ignore_eos=True, kv_method="h2o:budget=40"))
+    held = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        held.append(llm.metrics()["kv_blocks_used"])
+    assert max(held) == 3 and held[-1] == 0
+    assert len(held) == 120
+
+
+def test_compressed_sequences_fit_more_per_pool(models):
+    """The same pool runs 3x as many snapkv:ratio=0.75 sequences at once as lossless ones."""
+    model = models["llama"]
+    block_bytes = PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
+    concurrency = {}
+    for spec in ("full", "snapkv:ratio=0.75"):
+        llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory=30 * block_bytes, max_model_len=256)
+        for index, prompt in enumerate(prompts([208] * 8)):
+            llm.engine.add_request(str(index), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+        most = 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            most = max(most, llm.metrics()["num_requests_running"])
+        concurrency[spec] = most
+        assert_pool_empty(llm)
+    assert concurrency["full"] == 2  # 14 blocks each (with the decoded tokens) in 30
+    assert concurrency["snapkv:ratio=0.75"] >= 3 * concurrency["full"]
+
+
+def test_preemption_of_compressed_sequences(models):
+    """A pool too small for every sequence preempts some (recomputed); all finish, nothing leaks."""
+    model = models["llama"]
+    block_bytes = PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
+    llm = LLM(copy.deepcopy(model), kv_method="h2o:budget=64", kv_memory=16 * block_bytes, max_model_len=250)
+    outputs = llm.generate(prompts([100, 120, 140, 90, 110]), SamplingParams(max_tokens=100, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    assert llm.metrics()["num_preemptions_total"] > 0
+    assert all(len(out.outputs[0].token_ids) == 100 and out.error is None for out in outputs)
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("spec", ["adakv:ratio=0.5", "pyramidkv:ratio=0.5", "kvzip:ratio=0.5", "minicache",
+                                  "streamingllm:budget=40,rolling=always"])  # fmt: skip
+def test_unserved_methods_are_refused_clearly(spec, models):
+    with pytest.raises(EngineConfigError, match="not served by the engine yet.*kvopt.cache"):
+        LLM(copy.deepcopy(models["llama"]), kv_method=spec, kv_memory="4MB")
+    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
+    ok, bad = llm.generate(prompts([20, 20]), [GREEDY, SamplingParams(max_tokens=4, kv_method=spec)], use_tqdm=False)
+    assert ok.error is None and "not served by the engine yet" in bad.error
+    assert_pool_empty(llm)
+
+
+def test_other_request_problems_fail_alone(models):
+    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
+    forks, unknown = llm.generate(
+        prompts([20, 20]),
+        [SamplingParams(max_tokens=4, n=2, temperature=1.0, kv_method="snapkv:ratio=0.5"), SamplingParams(max_tokens=4, kv_method="nope")],
+        use_tqdm=False,
+    )
+    assert "n=2" in forks.error and "unknown method 'nope'" in unknown.error
+    sliding = LLM(tiny_model("mistral"), kv_memory="4MB")
+    with pytest.raises(EngineConfigError, match="sliding-window layers"):
+        LLM(tiny_model("mistral"), kv_method="snapkv:ratio=0.5", kv_memory="4MB")
+    (refused,) = sliding.generate(prompts([20]), SamplingParams(max_tokens=4, kv_method="kivi"), use_tqdm=False)
+    assert "sliding-window layers" in refused.error
+
+
+def test_code_blocks_round_trip_groups_exactly():
+    """Groups written into code blocks read back bit for bit, several per block, at any group index."""
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    pool = PagedKVPool(info, 12, 16, torch.float32, "cpu")
+    code_format = CodeFormat.probe(info, torch.float32, 16, 4, 32, "channel")
+    assert code_format.groups_per_block == 2  # 320 key bytes and 320 value bytes per group in 1,024-byte blocks
+    keys, values = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    positions = torch.arange(96, dtype=torch.int32).expand(1, 2, 96)
+    part = QuantizedKV.encode(keys, values, positions, torch.ones(1, 2, 96, dtype=torch.bool), 4, 32, "channel")
+    table = [7, 3]
+    code_format.write(pool, 1, part, code_format.locate(table, 1, 3, "cpu"))  # groups 1-3: block 7 slot 1, block 3
+    back = code_format.read(pool, 1, code_format.locate(table, 1, 3, "cpu"))
+    for original, read in zip(part.dequantize(), back.dequantize()):
+        assert torch.equal(original, read)
+    assert not pool.keys[0].any()  # other layers untouched
+
+
+def test_code_format_needs_groups_aligned_with_blocks():
+    info = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(CacheUsageError, match="block_size that divides the group"):
+        CodeFormat.probe(info, torch.float32, 64, 4, 32, "channel")
