@@ -35,6 +35,8 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
         {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True, "logprobs": 1},
         {"prompt": "Once upon a time", "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 4, "ignore_eos": True},
         {"prompt": " hello" * 2500, "max_tokens": 4},  # longer than the context (2048 positions): fails alone
+        {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True, "kv_method": "kivi:bits=4"},
+        {"prompt": "Hi", "kv_method": "adakv:ratio=0.5"},  # not served by the engine: fails alone
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines) + "\n")
@@ -43,12 +45,15 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
                        monkeypatch, capsys)  # fmt: skip
     assert code == 0, stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["custom_id"] for r in results] == ["chat", "line-2", "line-3", "line-4"]
+    assert [r["custom_id"] for r in results] == ["chat", "line-2", "line-3", "line-4", "line-5", "line-6"]
     assert results[1]["response"]["usage"]["completion_tokens"] == 6
     assert len(results[1]["response"]["choices"][0]["logprobs"]) == 6
     assert [c["index"] for c in results[2]["response"]["choices"]] == [0, 1]
     assert results[3]["response"] is None and "shorten the prompt" in results[3]["error"]
-    assert "prefix_cache_queries_total" in stderr and "wrote 4 results" in stderr
+    assert results[4]["response"]["usage"]["completion_tokens"] == 6  # its own method, a short prompt: lossless
+    assert results[4]["response"]["choices"][0]["text"] == results[1]["response"]["choices"][0]["text"]
+    assert results[5]["response"] is None and "not served by the engine yet" in results[5]["error"]
+    assert "prefix_cache_queries_total" in stderr and "wrote 6 results" in stderr
 
 
 @pytest.mark.parametrize(

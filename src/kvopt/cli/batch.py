@@ -17,7 +17,7 @@ import typer
 from kvopt.errors import KVOptError
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "n", "seed", "logprobs", "ignore_eos",
-                   "stop_token_ids"}  # fmt: skip
+                   "stop_token_ids", "kv_method"}  # fmt: skip
 IGNORED_FIELDS = {"model", "stream", "user"}
 
 

@@ -9,6 +9,9 @@ copied to host memory and copied back when room returns. Waiting sequences are a
 only in steps that preempted nothing, first come first served or by priority; one whose next
 uncached block another sequence computes in this very step waits a step and then finds it in
 the prefix cache (requests sharing a system prompt that arrive together compute it once).
+A compressed sequence (:mod:`kvopt.cache.paged_compressed`) computes its prompt in one pass, so
+that its methods see the whole prompt as in ``generate`` (one such prompt per step may exceed the
+token budget), and gets blocks only for what its methods keep.
 """
 
 from __future__ import annotations
