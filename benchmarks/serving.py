@@ -208,7 +208,8 @@ def capacity(args) -> list[dict]:
             core.step()
             after = core.metrics()
             generated = after["generation_tokens_total"] - before["generation_tokens_total"]
-            if generated == before["num_requests_running"] and after["num_requests_running"] <= generated:
+            decoding_only = after["prompt_tokens_total"] == before["prompt_tokens_total"]
+            if decoding_only and generated == before["num_requests_running"] and after["num_requests_running"] <= generated:
                 decode_tokens += generated
                 decode_seconds += time.perf_counter() - began
             peak = max(peak, after["num_requests_running"])
@@ -285,10 +286,12 @@ def main() -> None:
 
 
 def save(step: str, rows: list[dict], seconds: float) -> None:
-    """Replace ``step``'s rows in the committed JSONL (other steps' rows stay)."""
+    """Replace ``step``'s rows in the committed JSONL (other steps' rows stay, and so do a capacity step's
+    rows of methods this run did not measure)."""
     ROWS.parent.mkdir(parents=True, exist_ok=True)
     kept = [json.loads(line) for line in ROWS.read_text().splitlines()] if ROWS.exists() else []
-    kept = [row for row in kept if row["step"] != step and row.get("timed") != step]
+    measured = {row.get("method") for row in rows}
+    kept = [row for row in kept if (row["step"] != step or row.get("method") not in measured) and row.get("timed") != step]
     stamp = {"step": "timing", "timed": step, "seconds": seconds, "date": time.strftime("%Y-%m-%d")}
     ROWS.write_text("".join(json.dumps(row) + "\n" for row in [*kept, *rows, stamp]))
 

@@ -120,11 +120,11 @@ def test_decode_time_eviction_frees_blocks_as_it_goes(models):
 
 
 def test_compressed_sequences_fit_more_per_pool(models):
-    """The same pool runs 3x as many snapkv:ratio=0.75 sequences at once as lossless ones."""
+    """The same pool runs 3x as many snapkv:ratio=0.75 or 4-bit kivi sequences at once as lossless ones."""
     model = models["llama"]
     block_bytes = PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
     concurrency = {}
-    for spec in ("full", "snapkv:ratio=0.75"):
+    for spec in ("full", "snapkv:ratio=0.75", "kivi:bits=4,residual=32"):
         llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory=30 * block_bytes, max_model_len=256)
         for index, prompt in enumerate(prompts([208] * 8)):
             llm.engine.add_request(str(index), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -136,6 +136,8 @@ def test_compressed_sequences_fit_more_per_pool(models):
         assert_pool_empty(llm)
     assert concurrency["full"] == 2  # 14 blocks each (with the decoded tokens) in 30
     assert concurrency["snapkv:ratio=0.75"] >= 3 * concurrency["full"]
+    # 208 tokens: 6 groups in 3 code blocks (2 per block at head_dim 16) + 16 tokens, + 24 decoded
+    assert concurrency["kivi:bits=4,residual=32"] >= 3 * concurrency["full"]
 
 
 def test_preemption_of_compressed_sequences(models):

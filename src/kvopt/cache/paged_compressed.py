@@ -210,11 +210,14 @@ class CompressedKV:
         self.layout: Layout | None = None
 
     def reserve_tokens(self, tokens: int) -> int:
-        """Full-precision slots to hold after a prefill of ``tokens`` (an upper bound: quantized groups
-        fit in the blocks their tokens leave, since a block of codes holds at least a block of tokens)."""
+        """Slots (whole blocks) to give a prompt of ``tokens``: what its methods keep right after the
+        prefill (an upper bound, decode-time methods' eviction slack included), quantized groups in code blocks."""
         for method in self.methods:
             tokens = method.kept_tokens(tokens) + getattr(method, "compress_every", 1) - 1
-        return tokens
+        quantizers = [method for method in self.methods if hasattr(method, "quantized_after_prefill")]
+        quantized = quantizers[0].quantized_after_prefill(tokens) if quantizers else 0
+        code_blocks = -(-quantized // self.code_format.group // self.code_format.groups_per_block) if quantized else 0
+        return (-(-(tokens - quantized) // self.block_size) + code_blocks) * self.block_size
 
     def nbytes(self, block_bytes: int) -> int:
         return (-(-self.stored // self.block_size) + self.code_blocks) * block_bytes

@@ -53,13 +53,17 @@ class Quantization(Method):
         """``(bits, tokens)`` of the quantized tokens of one sequence in layer ``layer``."""
         raise NotImplementedError
 
+    def quantized_after_prefill(self, kept_tokens: int) -> int:
+        """Tokens quantized right after a prefill of ``kept_tokens`` (whole groups, once the residual is full)."""
+        return kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
+
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
         """Size right after a prefill of ``kept_tokens``: whole groups packed (:func:`packed_bytes`),
         the remainder at full precision (:func:`dense_bytes`)."""
         if any(m.owns_layer(layer.index) for m in layer.methods if m is not self):
             return None  # a cross-layer merge owns this layer's tokens (and accounts for their quantization)
         heads, dim = model.num_kv_heads, model.head_dim
-        quantized = kept_tokens // self.group * self.group if kept_tokens >= max(self.residual, self.group) else 0
+        quantized = self.quantized_after_prefill(kept_tokens)
         aligned = self.heads_aligned and not layer.per_head
         classes = self.bit_classes(quantized, layer.index)
         # Positions are a run unless earlier eviction made them irregular or classes split the run.
