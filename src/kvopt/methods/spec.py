@@ -20,8 +20,9 @@ from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method, get
 
 #: Where a method moves tokens out of the dense store (the only one the others act on), in the order the
-#: stages must run: evict in the dense store, then head-wise (ragged), then merge, then quantize.
-STAGES = {None: 0, "ragged": 1, "merged": 2, "quantized": 3}
+#: stages must run: evict in the dense store, then head-wise (ragged) or sparse-attention storage, then
+#: merge, then quantize.
+STAGES = {None: 0, "ragged": 1, "sparse": 1, "merged": 2, "quantized": 3}
 #: Storages that take over a later method's job instead of leaving it no tokens: merged layer pairs
 #: store their shared directions in KIVI's format when kivi follows (see :mod:`kvopt.methods.minicache`).
 ADOPTS = {"merged": ("kivi",)}
@@ -94,7 +95,8 @@ def _coerce(method: str, key: str, raw: str, kind: object) -> object:
 
 
 def storage(method: Method) -> str | None:
-    """Where ``method`` moves tokens out of the dense store (``ragged``, ``merged``, ``quantized``), or None.
+    """Where ``method`` moves tokens out of the dense store (``ragged``, ``sparse``, ``merged``, ``quantized``),
+    or None.
 
     Declared by a method's ``storage`` attribute; a method that stores its layers' tokens its own
     way (it overrides :meth:`Method.owns_layer`, as cross-layer merging does) counts as ``merged``.
