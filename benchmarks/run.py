@@ -6,7 +6,8 @@
 Steps: load time (cold conversion vs warm), speed/memory bench (median of repeats, ratios to
 plain HF generation), the accuracy grid (resumable: results/benchmarks/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py, its rows committed
-in benchmarks/results/), then the report with plots into benchmarks/report/.
+in benchmarks/results/), `kvopt serve` under load (benchmarks/load.py, likewise), then the report
+with plots into benchmarks/report/.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import load
 import serving
 import torch
 import transformers
@@ -112,8 +114,8 @@ def main() -> None:
     parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps", default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine",
-        help="comma-separated subset of load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine",
+        "--steps", default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve",
+        help="comma-separated subset of load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve",
     )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
@@ -177,6 +179,8 @@ def main() -> None:
         finished("decode speed and memory", start)
     if "engine" in steps:  # its own rows and timings (benchmarks/results/serving.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py")], check=True)
+    if "serve" in steps:  # `kvopt serve` under load, its own rows (benchmarks/results/load.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load.py")], check=True)
     compose(args, load_timings(args.results))
 
 
@@ -358,7 +362,7 @@ def compose(args, timings: dict[str, float]) -> None:
     report = report.replace(f"{ROOT}/", "")
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
-    extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section()]
+    extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section()]
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)

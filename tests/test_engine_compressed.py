@@ -16,7 +16,7 @@ from kvopt.models.info import ModelInfo
 from tiny_models import VOCAB, tiny_model
 
 NEW_TOKENS = 12
-LENGTHS = [40, 90, 130, 200, 17, 64]
+LENGTHS = [40, 90, 130, 200, 17, 64, 1]  # a one-token prompt too: its one query attends to its own key
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 SERVED = [
     "snapkv:ratio=0.5",

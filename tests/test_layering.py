@@ -38,7 +38,11 @@ def runtime_imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize(
     ("package", "forbidden"),
-    [("cache", ("kvopt.methods", "kvopt.eval", "kvopt.api")), ("methods", ("kvopt.eval", "kvopt.api"))],
+    [
+        ("cache", ("kvopt.methods", "kvopt.eval", "kvopt.api", "kvopt.engine", "kvopt.serving", "kvopt.cli")),
+        ("methods", ("kvopt.eval", "kvopt.api", "kvopt.engine", "kvopt.serving", "kvopt.cli")),
+        ("engine", ("kvopt.eval", "kvopt.serving", "kvopt.cli")),
+    ],
 )
 def test_lower_layers_never_import_higher_ones(package, forbidden):
     offending = {

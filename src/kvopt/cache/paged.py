@@ -57,6 +57,11 @@ class SequenceSlots:
         return cls(first, end, runs, main, rest, codes)
 
     @property
+    def fresh(self) -> bool:
+        """A compressed prompt: nothing of it is in the pool, it attends only to its own new keys."""
+        return not self.runs
+
+    @property
     def context_length(self) -> int:
         return sum(stop - start for start, stop in self.runs)
 
@@ -79,7 +84,7 @@ class DecodeGroup:
 
     @classmethod
     def of(cls, sequences: list[SequenceSlots], device) -> DecodeGroup | None:
-        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and seq.codes is None]
+        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and seq.codes is None and not seq.fresh]
         if not members:
             return None
         rows = torch.tensor([sequences[i].first for i in members], device=device)
@@ -187,7 +192,7 @@ class PagedLayer(SeamLayer):
             if index in done:
                 continue
             rows = slice(seq.first, seq.end)
-            if seq.end - seq.first == 1:
+            if seq.end - seq.first == 1 and not seq.fresh:
                 output[:, seq.first] = _attend_one(query[:, :, rows], keys, values, seq, scaling, sliding_window, softcap,
                                                    (pool, self.index))  # fmt: skip
             elif sliding_window is None:
@@ -278,7 +283,7 @@ def _attend_chunk(query, new_keys, new_values, keys, values, seq: SequenceSlots,
     """
     count = query.shape[2]
     own = torch.arange(count, device=query.device)
-    if seq.context_length <= count:
+    if seq.fresh or seq.context_length == count:
         return attention.attend(query, new_keys, new_values, own[None, None], None, own, scaling, None, softcap)
     causal = (own[None, :] <= own[:, None])[None, None]
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)

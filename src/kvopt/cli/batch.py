@@ -87,7 +87,7 @@ def batch(
 
     llm = LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, enable_prefix_caching=prefix_caching,
               max_num_seqs=max_num_seqs)  # fmt: skip
-    prompts = [r["prompt"] if r["prompt"] is not None else llm.apply_chat_template(r["messages"]) for r in requests]
+    prompts = [r["prompt"] if r["prompt"] is not None else llm.chat_prompt(r["messages"]) for r in requests]
     outputs = llm.generate(prompts, [r["params"] for r in requests])
     with output.open("w") as sink:
         for request, result in zip(requests, outputs):

@@ -1,4 +1,4 @@
-"""The ``kvopt`` command line: generate, batch, memory, methods, eval, report, bench.
+"""The ``kvopt`` command line: generate, batch, serve, memory, methods, eval, report, bench.
 
 User mistakes (bad spec, missing model, too-long prompt) print one line and exit with code 2.
 """
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvopt.cli.batch import batch
+from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
 app = typer.Typer(add_completion=False, help="KV-cache optimization for Hugging Face causal LMs.")
@@ -287,6 +288,7 @@ def list_methods(
 
 
 app.command("batch")(batch)
+app.command("serve")(serve)
 
 
 if __name__ == "__main__":

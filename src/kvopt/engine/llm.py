@@ -65,8 +65,12 @@ class LLM:
     ) -> list[RequestOutput]:  # fmt: skip
         """Generate a reply to one conversation or to each of several (the tokenizer's chat template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(conversation) for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate([self.chat_prompt(conversation) for conversation in conversations], sampling_params,
+                             use_tqdm)  # fmt: skip
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """Token ids of a conversation under the chat template (which writes BOS itself: none is added again)."""
+        return list(self.tokenizer(self.apply_chat_template(messages), add_special_tokens=False).input_ids)
 
     def apply_chat_template(self, messages: Messages) -> str:
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:

@@ -1,0 +1,54 @@
+"""``kvopt serve``: the OpenAI-compatible HTTP API on the serving engine (vLLM's ``vllm serve``).
+
+It listens at once and loads the model in the background (``/health`` answers 503 until it is
+ready); a model or setting that cannot be used stops it with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+
+def serve(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder or .gguf; default: embedded model")] = None,
+    kv_method: Annotated[str, typer.Option(help="KV method spec for the engine (requests may name their own kv_method)")] = "full",
+    kv_memory: Annotated[str, typer.Option(help="KV pool size: 1GB, 512MiB, or a fraction of free memory (0.5)")] = "1GB",
+    host: Annotated[str, typer.Option(help="address to listen on (0.0.0.0 for every interface)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="KVOPT_API_KEY", help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the name clients pass as model; default: --model as given")] = None,
+    block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = 16,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="sequences decoded together at most")] = 64,
+    max_model_len: Annotated[Optional[int], typer.Option(min=2, help="longest prompt + output; default: the model's")] = None,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="longest prompt accepted (400 beyond); default: the context")] = None,
+    max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="largest max_tokens accepted (400 beyond); default: the context")] = None,
+    max_waiting: Annotated[int, typer.Option(min=0, help="requests that may wait beyond --max-num-seqs running ones (429 beyond)")] = 256,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body (413 beyond)")] = 4 * 2**20,
+    request_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request may take (408 beyond)")] = 600.0,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="seconds open requests may take to finish after SIGTERM")] = 30.0,
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="log every request")] = True,
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
+    from kvopt.engine import EngineConfig
+    from kvopt.methods import parse
+    from kvopt.serving import ServerSettings
+    from kvopt.serving import serve as run
+
+    parse(kv_method)  # a malformed spec or setting fails before the port is taken
+    EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+    def load():
+        from kvopt.engine import LLM
+
+        return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
+                   enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len).engine  # fmt: skip
+
+    settings = ServerSettings(
+        served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,
+        max_waiting, max_body_bytes, request_timeout,
+    )  # fmt: skip
+    run(load, settings, host, port, shutdown_timeout, access_log)

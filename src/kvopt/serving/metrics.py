@@ -1,0 +1,99 @@
+"""``/metrics`` in Prometheus' text format, named as vLLM's (``vllm:x`` -> ``kvopt:x``) where the meaning is the same.
+
+Two sources:
+
+- the engine's snapshot (:meth:`LLMEngine.metrics`), read on the engine thread at each scrape and
+  exported by a custom collector: KV-pool gauges, queue lengths, and the engine's counters
+  (prefix-cache queries and hits in tokens, preemptions, prompt and generation tokens, finished
+  requests by reason);
+- latency histograms the server observes per request, as a client sees them (from the HTTP
+  request's admission to each output reaching the event loop), with vLLM's bucket bounds.
+
+Every series carries vLLM's ``model_name`` label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvopt.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+from kvopt.serving.engine_client import RequestStream
+
+PREFIX = "kvopt:"
+#: Engine snapshot key -> help text, exported as gauges.
+GAUGES = {
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1 = full).",
+    "kv_bytes_held": "Bytes of KV cache held by requests (blocks in use).",
+    "kv_bytes_saved_by_compression": "Bytes the requests' KV methods saved compared with a full-precision cache.",
+    "kv_memory_waste_perc": "Fraction of allocated token slots of running requests that hold no token yet.",
+    "num_requests_running": "Requests in the engine's running queue.",
+    "num_requests_waiting": "Requests waiting for the engine to start them.",
+    "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
+}
+#: Engine snapshot key (with ``_total``) -> help text, exported as counters.
+COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (not recomputed).",
+    "num_preemptions": "Sequences preempted (recomputed or swapped out) for lack of KV blocks.",
+    "prompt_tokens": "Prompt tokens prefilled.",
+    "generation_tokens": "Tokens generated.",
+}
+
+
+class EngineCollector:
+    """Exports the engine snapshot taken for the current scrape (nothing before the engine is loaded)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: dict | None = None
+
+    def collect(self):
+        snapshot, labels = self.snapshot, [self.model_name]
+        if snapshot is None:
+            return
+        for key, doc in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name"])
+            family.add_metric(labels, snapshot[key])
+            yield family
+        for key, doc in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])
+            family.add_metric(labels, snapshot[f"{key}_total"])
+            yield family
+        finished = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason "
+                                       "(stop, length, abort, error).", labels=["model_name", "finished_reason"])  # fmt: skip
+        for reason, count in sorted(snapshot["request_success_total"].items()):
+            finished.add_metric([*labels, reason], count)
+        yield finished
+
+
+class ServerMetrics:
+    """The server's registry (one per app, so several servers can share a process, as in the tests)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineCollector(model_name)
+        self.registry.register(self.engine)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from a request's admission to its first token.",
+                              TTFT_BUCKETS)  # fmt: skip
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's successive outputs.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from a request's admission to its last token.",
+                             E2E_BUCKETS)  # fmt: skip
+
+    def observe(self, stream: RequestStream) -> None:
+        """Record a finished request's latencies (aborted and failed requests are not observed)."""
+        times = stream.delivered
+        if not stream.finished or not times:
+            return
+        self.ttft.observe(times[0] - stream.arrival)
+        for before, after in zip(times, times[1:]):
+            self.itl.observe(after - before)
+        self.e2e.observe(times[-1] - stream.arrival)
+
+    def render(self, snapshot: dict | None) -> bytes:
+        self.engine.snapshot = snapshot
+        return generate_latest(self.registry)
