@@ -2,8 +2,8 @@
 
 Payloads are hypothesis-generated: valid requests (every field drawn from the values the server
 accepts), the same with one field broken (wrong type, out of range, NaN, unknown name), arbitrary
-JSON documents and raw bytes. Per-request ``kv_method`` is ``full`` or broken here (the engine's
-compressed per-request methods are exercised in test_server.py).
+JSON documents and raw bytes. Per-request ``kv_method`` is lossless, compressed (served by the
+engine's compressed blocks), not served by the engine (a 400), or broken.
 """
 
 import copy
@@ -36,7 +36,9 @@ SAMPLING = {
     "top_k": st.integers(0, 50), "n": st.integers(1, 3), "seed": st.integers(0, 2**63 - 1), "ignore_eos": st.booleans(),
     "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=3), "stream": st.booleans(), "user": st.text(max_size=5),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "kv_method": st.just("full"),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "kv_method": st.sampled_from(
+        ["full", "snapkv:ratio=0.5", "kivi:bits=4,residual=32", "h2o:budget=8", "adakv:ratio=0.5"]
+    ),
 }  # fmt: skip
 ENDPOINTS = {
     "/v1/completions": ({"prompt": PROMPT}, SAMPLING | {"logprobs": st.integers(0, 5)}),
