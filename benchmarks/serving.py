@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--prefix-repeats", type=int, default=3)
     parser.add_argument("--capacity-memory", default="256MB")
     parser.add_argument("--capacity-methods", default=";".join(CAPACITY_METHODS))
-    parser.add_argument("--capacity-requests", default="8,32,32,40", help="requests per capacity method")
+    parser.add_argument("--capacity-requests", default="4,16,16,32", help="requests per capacity method")
     parser.add_argument("--capacity-new", type=int, default=32)
     parser.add_argument("--rates", default="0.2,0.4,0.8")
     parser.add_argument("--latency-requests", type=int, default=24)
@@ -372,6 +372,8 @@ def _prefix_lines(rows: list[dict]) -> list[str]:
 def _capacity_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
+    order = {method: index for index, method in enumerate(CAPACITY_METHODS)}
+    rows = sorted(rows, key=lambda row: order.get(row["method"], len(order)))
     full = next((r for r in rows if r["method"] == "full"), None)
     lines = [
         f"### Capacity: concurrent {rows[0]['sequence_tokens']:,}-token sequences in a "
