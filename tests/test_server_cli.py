@@ -34,6 +34,7 @@ def run(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
         (["--kv-method", "nope"], "unknown method 'nope'"),
         (["--kv-memory", "lots"], "kv_memory='lots' is not a size"),
         (["--port", "70000"], "--port"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bad_settings_fail_before_listening(args, fragment, monkeypatch, capsys):
@@ -52,7 +53,7 @@ def test_sigterm_finishes_open_streams_and_refuses_new_requests(tiny_with_tokeni
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kvopt.cli.main", "serve", "--model", str(tmp_path), "--port", str(port),
-               "--kv-memory", "8MB", "--served-model-name", "tiny", "--no-access-log"]  # fmt: skip
+               "--kv-memory", "8MB", "--served-model-name", "tiny", "--no-access-log", "--threads", "1"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on a shared CI machine, as conftest does
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -31,6 +31,8 @@ def serve(
     request_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request may take (408 beyond)")] = 600.0,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="seconds open requests may take to finish after SIGTERM")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="log every request")] = True,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads; default: torch's (on a machine "
+                                                   "other busy processes share, fewer avoids spinning threads)")] = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
     from kvopt.engine import EngineConfig
@@ -42,8 +44,12 @@ def serve(
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
 
     def load():
+        import torch
+
         from kvopt.engine import LLM
 
+        if threads is not None:
+            torch.set_num_threads(threads)
         return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
                    enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len).engine  # fmt: skip
 
