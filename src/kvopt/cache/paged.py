@@ -133,7 +133,8 @@ class PagedKVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
+    def block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        """Every slot of ``block_ids``, in order, ``[blocks * block_size]`` int64."""
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).flatten()
 
@@ -141,19 +142,19 @@ class PagedKVPool:
         """Copy each source block's slots into its destination block, in every layer (copy-on-write)."""
         if not pairs:
             return
-        sources = self._block_slots([s for s, _ in pairs])
-        destinations = self._block_slots([d for _, d in pairs])
+        sources = self.block_slots([s for s, _ in pairs])
+        destinations = self.block_slots([d for _, d in pairs])
         for tensor in (*self.keys, *self.values):
             tensor[:, destinations] = tensor[:, sources]
 
     def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """The blocks' contents, copied to host memory (swap out)."""
-        slots = self._block_slots(block_ids)
+        slots = self.block_slots(block_ids)
         return [tensor[:, slots].to("cpu") for tensor in (*self.keys, *self.values)]
 
     def write_blocks(self, saved: list[torch.Tensor], block_ids: list[int]) -> None:
         """Put contents read by :meth:`read_blocks` into ``block_ids`` (swap in)."""
-        slots = self._block_slots(block_ids)
+        slots = self.block_slots(block_ids)
         for tensor, data in zip((*self.keys, *self.values), saved):
             tensor[:, slots] = data.to(tensor.device)
 
@@ -194,7 +195,7 @@ class PagedLayer(SeamLayer):
             rows = slice(seq.first, seq.end)
             if seq.end - seq.first == 1 and not seq.fresh:
                 output[:, seq.first] = _attend_one(query[:, :, rows], keys, values, seq, scaling, sliding_window, softcap,
-                                                   (pool, self.index))  # fmt: skip
+                                                   self.index)  # fmt: skip
             elif sliding_window is None:
                 output[:, rows] = _attend_chunk(query[:, :, rows], key[:, :, rows], value[:, :, rows], keys, values,
                                                 seq, scaling, softcap)  # fmt: skip
@@ -259,16 +260,15 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
     return merged.to(query.dtype)
 
 
-def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap, layer) -> torch.Tensor:
-    """One query over its whole context (all of it visible, but for a sliding window's limit): ``[1, heads, dim]``.
-
-    ``layer`` is ``(pool, index)``, where a compressed sequence's quantized groups are read."""
+def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap, layer: int) -> torch.Tensor:
+    """One query over its whole context (all of it visible, but for a sliding window's limit), a compressed
+    sequence's quantized groups in layer ``layer`` included: ``[1, heads, dim]``."""
     if sliding_window is not None and seq.context_length > sliding_window:
         seq = seq.window(sliding_window, keys.device)
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)
     if seq.codes is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        parts.append(seq.codes.attend(*layer, query, scale, softcap))
+        parts.append(seq.codes.attend(layer, query, scale, softcap))
     output, _ = attention.merge_with_lse(parts)
     return output[:, :, 0].to(query.dtype)
 

@@ -95,6 +95,10 @@ class CodeFormat:
         size = _record_bytes(fields)
         return blocks[:, :, : self.groups_per_block * size].unflatten(-1, (self.groups_per_block, size))
 
+    def blocks_for(self, groups: int) -> int:
+        """Blocks that hold ``groups`` groups."""
+        return -(-groups // self.groups_per_block)
+
     def locate(self, code_table: list[int], first: int, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block and record index of groups ``first ... first + count - 1`` of a sequence with ``code_table``."""
         groups = torch.arange(first, first + count)
@@ -216,15 +220,15 @@ class CompressedKV:
             tokens = method.kept_tokens(tokens) + getattr(method, "compress_every", 1) - 1
         quantizers = [method for method in self.methods if hasattr(method, "quantized_after_prefill")]
         quantized = quantizers[0].quantized_after_prefill(tokens) if quantizers else 0
-        code_blocks = -(-quantized // self.code_format.group // self.code_format.groups_per_block) if quantized else 0
+        code_blocks = self._code_blocks(quantized // self.code_format.group if quantized else 0)
         return (-(-(tokens - quantized) // self.block_size) + code_blocks) * self.block_size
 
     def nbytes(self, block_bytes: int) -> int:
-        return (-(-self.stored // self.block_size) + self.code_blocks) * block_bytes
+        return (-(-self.stored // self.block_size) + self._code_blocks(self.groups)) * block_bytes
 
-    @property
-    def code_blocks(self) -> int:
-        return -(-self.groups // self.code_format.groups_per_block) if self.groups else 0
+    def _code_blocks(self, groups: int) -> int:
+        """Blocks ``groups`` quantized groups take (a spec without a quantizer has none)."""
+        return self.code_format.blocks_for(groups) if groups else 0
 
     # -- one layer of one step ------------------------------------------------------------------
     def after_attention(self, index, module, pool, step: CompressedStep, query, keys, values, scaling) -> None:
@@ -260,7 +264,7 @@ class CompressedKV:
             kept_keys, kept_values = store.keys, store.values
             if kept_keys.untyped_storage().data_ptr() == pool.keys[index].untyped_storage().data_ptr():
                 kept_keys, kept_values = kept_keys.clone(), kept_values.clone()  # reads the slots about to be written
-            slots = table_slots(layout.block_table, len(store), self.block_size, keys.device)
+            slots = pool.block_slots(layout.block_table[: -(-len(store) // self.block_size)])[: len(store)]
             pool.keys[index].index_copy_(1, slots, kept_keys[0])
             pool.values[index].index_copy_(1, slots, kept_values[0])
         memo.positions = None if store.first_position is not None else store.positions
@@ -291,7 +295,7 @@ class CompressedKV:
                 )
             return self.layout
         fp_blocks = -(-stored // self.block_size)
-        code_blocks = -(-groups // self.code_format.groups_per_block) if groups else 0
+        code_blocks = self._code_blocks(groups)
         spare = step.block_table[fp_blocks:]
         needed = code_blocks - len(step.code_table)
         if needed > len(spare):
@@ -312,21 +316,15 @@ class CompressedKV:
         return layout
 
 
-def table_slots(block_table: list[int], tokens: int, block_size: int, device=None) -> torch.Tensor:
-    """Slots of the first ``tokens`` tokens of a sequence with ``block_table``, ``[tokens]`` int64."""
-    blocks = torch.tensor(block_table[: -(-tokens // block_size)], dtype=torch.long, device=device)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
-    return slots[:tokens]
-
-
 @dataclass(frozen=True)
 class CodedTokens:
     """A sequence's quantized groups, as attention reads them this step."""
 
+    pool: object
     code_format: CodeFormat
     where: tuple[torch.Tensor, torch.Tensor]
 
-    def attend(self, pool, index: int, query: torch.Tensor, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(output, lse)`` of one query ``[1, H_q, 1, D]`` over every group (all older than it)."""
-        part = self.code_format.read(pool, index, self.where)
+    def attend(self, index: int, query: torch.Tensor, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, lse)`` of one query ``[1, H_q, 1, D]`` over every group in layer ``index`` (all older than it)."""
+        part = self.code_format.read(self.pool, index, self.where)
         return part.attend(query, torch.zeros(1, dtype=torch.int32, device=query.device), scaling, softcap)

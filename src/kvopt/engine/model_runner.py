@@ -80,7 +80,7 @@ class ModelRunner:
         if seq.kv is None or not seq.kv.groups:
             return None
         code_format = seq.kv.code_format
-        return CodedTokens(code_format, code_format.locate(seq.code_table, 0, seq.kv.groups, self.device))
+        return CodedTokens(self.pool, code_format, code_format.locate(seq.code_table, 0, seq.kv.groups, self.device))
 
     def _runs(self, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
         """Maximal runs of consecutive slots holding ``seq``'s first ``tokens`` tokens, in order."""
