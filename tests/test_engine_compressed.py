@@ -29,6 +29,11 @@ SERVED = [
     "window:size=50",
     "knorm:ratio=0.5",
     "morphkv:budget=40",
+    # budgets per layer or head, in head blocks (tests/test_engine_headwise.py)
+    "pyramidkv:ratio=0.5",
+    "adakv:ratio=0.5",
+    "adakv:ratio=0.9,scorer=tova",
+    "h2o:budget=50+pyramidkv:ratio=0.6,window=8",  # decode-time eviction rewrites a layer's head blocks
 ]
 
 
@@ -140,11 +145,12 @@ def test_compressed_sequences_fit_more_per_pool(models):
     assert concurrency["kivi:bits=4,residual=32"] >= 3 * concurrency["full"]
 
 
-def test_preemption_of_compressed_sequences(models):
+@pytest.mark.parametrize("spec", ["h2o:budget=64", "pyramidkv:ratio=0.5"])  # uniform and head-wise budgets
+def test_preemption_of_compressed_sequences(spec, models):
     """A pool too small for every sequence preempts some (recomputed); all finish, nothing leaks."""
     model = models["llama"]
     block_bytes = PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
-    llm = LLM(copy.deepcopy(model), kv_method="h2o:budget=64", kv_memory=16 * block_bytes, max_model_len=250)
+    llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory=16 * block_bytes, max_model_len=250)
     outputs = llm.generate(prompts([100, 120, 140, 90, 110]), SamplingParams(max_tokens=100, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip
     assert llm.metrics()["num_preemptions_total"] > 0
@@ -152,8 +158,7 @@ def test_preemption_of_compressed_sequences(models):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("spec", ["adakv:ratio=0.5", "pyramidkv:ratio=0.5", "kvzip:ratio=0.5", "minicache",
-                                  "streamingllm:budget=40,rolling=always"])  # fmt: skip
+@pytest.mark.parametrize("spec", ["lava:ratio=0.5", "kvzip:ratio=0.5", "minicache", "streamingllm:budget=40,rolling=always"])
 def test_unserved_methods_are_refused_clearly(spec, models):
     with pytest.raises(EngineConfigError, match="not served by the engine yet.*kvopt.cache"):
         LLM(copy.deepcopy(models["llama"]), kv_method=spec, kv_memory="4MB")

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 
 from kvopt.cache import attention
 from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
+from kvopt.cache.paged_headwise import HeadwiseStep
 from kvopt.cache.seam_layer import SeamLayer
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
@@ -113,6 +114,8 @@ class PagedBatch:
     #: to its methods instead (see :mod:`kvopt.cache.paged_compressed`).
     stored_rows: torch.Tensor | None = None
     compressed: list[CompressedStep] = field(default_factory=list)
+    #: Sequences whose layers or heads keep budgets of their own: they store and attend themselves.
+    headwise: list[HeadwiseStep] = field(default_factory=list)
 
 
 class PagedKVPool:
@@ -120,9 +123,13 @@ class PagedKVPool:
 
     def __init__(self, info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (info.num_kv_heads, num_blocks * block_size, info.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
+        # One tensor for all layers, seen per layer (``keys[layer]``) and flattened to rows of one head and
+        # slot (``flat_keys``), where head blocks of any layer are gathered at once (:mod:`.paged_headwise`).
+        shape = (info.num_layers, info.num_kv_heads, num_blocks * block_size, info.head_dim)
+        all_keys = torch.zeros(shape, dtype=dtype, device=device)
+        all_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys, self.values = list(all_keys.unbind(0)), list(all_values.unbind(0))
+        self.flat_keys, self.flat_values = all_keys.view(-1, info.head_dim), all_values.view(-1, info.head_dim)
 
     @staticmethod
     def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
@@ -209,6 +216,10 @@ class PagedLayer(SeamLayer):
             else:
                 seq_keys, seq_values = _read_runs(keys, step.runs), _read_runs(values, step.runs)
             step.kv.after_attention(self.index, module, pool, step, query[:, :, rows], seq_keys, seq_values, scaling)
+        for step in batch.headwise:
+            rows = slice(step.first, step.end)
+            output[:, rows] = step.kv.attend(self.index, module, step, query[:, :, rows], key[:, :, rows],
+                                             value[:, :, rows], scaling, sliding_window, softcap)  # fmt: skip
         return output
 
 

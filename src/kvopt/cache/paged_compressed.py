@@ -22,9 +22,10 @@ sequences as the method compresses.
 A prompt is computed in one pass and never stored in full: each layer's new keys/values go
 from the forward pass straight to the methods, and only what they keep is written to blocks
 (the prefill peak is one layer of one prompt, not the whole prompt in every layer). Every
-layer must keep the same number of tokens (one block table serves all layers): methods that
-give layers or heads their own budgets (pyramidkv, adakv, kvzip) and cross-layer merging are
-not served yet (``Method.runs_in_engine``).
+layer and head keeps the same number of tokens here (one block table serves all layers):
+specs whose layers or heads get budgets of their own (pyramidkv, adakv) are served by
+:mod:`kvopt.cache.paged_headwise`; methods that rank all layers together (kvzip, lava) and
+cross-layer merging are not served yet (``Method.runs_in_engine``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,14 @@ def deserialize(records: torch.Tensor, fields: Fields, bits: int, dim: int) -> q
     return quant.QuantizedGroups(*tensors, bits, dim)
 
 
+def kept_after_prefill(methods: list, tokens: int) -> int:
+    """Tokens ``methods`` keep (on average over layers and heads) of a ``tokens``-token prompt, with the
+    slack of decode-time methods that evict every few steps."""
+    for method in methods:
+        tokens = method.kept_tokens(tokens) + getattr(method, "compress_every", 1) - 1
+    return tokens
+
+
 @dataclass
 class LayerMemo:
     """What one layer's methods keep for a sequence between steps, besides the tokens in its blocks."""
@@ -216,12 +225,18 @@ class CompressedKV:
     def reserve_tokens(self, tokens: int) -> int:
         """Slots (whole blocks) to give a prompt of ``tokens``: what its methods keep right after the
         prefill (an upper bound, decode-time methods' eviction slack included), quantized groups in code blocks."""
-        for method in self.methods:
-            tokens = method.kept_tokens(tokens) + getattr(method, "compress_every", 1) - 1
+        tokens = kept_after_prefill(self.methods, tokens)
         quantizers = [method for method in self.methods if hasattr(method, "quantized_after_prefill")]
         quantized = quantizers[0].quantized_after_prefill(tokens) if quantizers else 0
         code_blocks = self._code_blocks(quantized // self.code_format.group if quantized else 0)
         return (-(-(tokens - quantized) // self.block_size) + code_blocks) * self.block_size
+
+    def slots_needed(self, new_tokens: int) -> int:
+        """Slots the block table needs once ``new_tokens`` more tokens are stored."""
+        return self.stored + new_tokens
+
+    def relocate(self, moved: dict[int, int]) -> None:
+        """Blocks came back from a swap at new ids: nothing to do, block ids live only in the sequence's tables."""
 
     def nbytes(self, block_bytes: int) -> int:
         return (-(-self.stored // self.block_size) + self._code_blocks(self.groups)) * block_bytes
@@ -260,7 +275,7 @@ class CompressedKV:
             for later in quantized[1:]:
                 part.extend(later)
             self.code_format.write(pool, index, part, where)
-        if step.is_prefill or not store.wraps(keys):
+        if step.is_prefill or not store.wraps(keys) or len(store) != keys.shape[2]:
             kept_keys, kept_values = store.keys, store.values
             if kept_keys.untyped_storage().data_ptr() == pool.keys[index].untyped_storage().data_ptr():
                 kept_keys, kept_values = kept_keys.clone(), kept_values.clone()  # reads the slots about to be written

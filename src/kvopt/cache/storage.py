@@ -62,12 +62,13 @@ class DenseKVStore:
     @classmethod
     def wrap(
         cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None, first_position: int = 0,
-        heads_aligned: bool = True, extras: dict[str, torch.Tensor] | None = None,
+        heads_aligned: bool = True, extras: dict[str, torch.Tensor] | None = None, live: int | None = None,
     ) -> DenseKVStore:  # fmt: skip
         """A store over existing tensors (no copy), every token real: how the serving engine shows one
         sequence's tokens, kept in its paged blocks, to the methods. ``positions [batch, kv_heads, tokens]``,
         or None for a run from ``first_position``; ``extras`` are the methods' per-token tensors by name.
-        Writes never land in ``keys``/``values``: evicting or moving tokens installs fresh buffers."""
+        The first ``live`` tokens (default: all) are stored; the rest of the tensors is room that appends
+        fill in place. Evicting or moving tokens installs fresh buffers."""
         store = cls()
         store._buffers = {"keys": keys, "values": values}
         if positions is not None:
@@ -77,13 +78,14 @@ class DenseKVStore:
             store.first_position = first_position
         for name, tensor in (extras or {}).items():
             store._buffers[f"extra:{name}"] = tensor
-        store.end = keys.shape[TOKEN_AXIS]
+        store.end = keys.shape[TOKEN_AXIS] if live is None else live
         store.heads_aligned = heads_aligned
         return store
 
     def wraps(self, keys: torch.Tensor) -> bool:
-        """True while the live keys are exactly the ``keys`` given to :meth:`wrap` (nothing evicted or moved)."""
-        return self._buffers.get("keys") is keys and self.start == 0 and self.end == keys.shape[TOKEN_AXIS]
+        """True while the tokens are still held in the ``keys`` given to :meth:`wrap` from its start (no
+        eviction or move installed fresh buffers; appends may have filled its room, the count says)."""
+        return self._buffers.get("keys") is keys and self.start == 0
 
     def extras(self) -> dict[str, torch.Tensor]:
         """The methods' per-token tensors by name (live views)."""

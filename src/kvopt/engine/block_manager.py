@@ -103,7 +103,7 @@ class BlockManager:
         cached = cached or []
         stored = seq.num_stored_tokens + len(cached) * self.block_size
         have = len(seq.block_table) + len(cached)
-        fresh = max(self.blocks_needed(stored + num_new_tokens) - have, 0)
+        fresh = max(self.blocks_needed(seq.slots_needed(num_new_tokens) + len(cached) * self.block_size) - have, 0)
         copy_on_write = self._shared_tail(seq, stored) is not None
         revived = sum(1 for block_id in cached if self.blocks[block_id].ref_count == 0)
         if fresh + copy_on_write + revived > len(self.free_queue):
@@ -118,6 +118,15 @@ class BlockManager:
         for _ in range(fresh):
             seq.block_table.append(self._take_free_block(seq.block_table[-1] + 1 if seq.block_table else None))
         return True
+
+    def take_blocks(self, count: int) -> list[int] | None:
+        """``count`` fresh blocks (a swapped-out sequence coming back), or None, taking none, when too few are free."""
+        if count > len(self.free_queue):
+            return None
+        block_ids: list[int] = []
+        for _ in range(count):
+            block_ids.append(self._take_free_block(block_ids[-1] + 1 if block_ids else None))
+        return block_ids
 
     def _shared_tail(self, seq: Sequence, stored: int) -> int | None:
         """Index in ``seq.block_table`` of the partly filled block the next token goes into, if shared."""

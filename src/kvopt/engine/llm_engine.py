@@ -15,6 +15,7 @@ import torch
 from kvopt.api import local_prose
 from kvopt.cache.paged import PagedKVPool
 from kvopt.cache.paged_compressed import CodeFormat, CompressedKV
+from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig, EngineConfigError, parse_memory
@@ -42,6 +43,8 @@ class Compression:
 
     methods: list
     code_format: CodeFormat | None
+    #: Layers or heads keep budgets of their own: the sequence is held in head blocks.
+    headwise: bool = False
 
 
 @dataclass
@@ -121,7 +124,9 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         compression = self._compression(params.kv_method or self.config.kv_method)
         kv = None
-        if compression is not None:
+        if compression is not None and compression.headwise:
+            kv = HeadwiseKV(compression.methods, self.runner.pool)
+        elif compression is not None:
             kv = CompressedKV(compression.methods, self.info.num_layers, self.config.block_size, compression.code_format)
         seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, priority=priority,
                        generator=generator, kv=kv)  # fmt: skip
@@ -171,9 +176,9 @@ class LLMEngine:
         if unserved:
             served = ", ".join(cls.name for cls in available() if cls.runs_in_engine)
             raise RequestError(
-                f"kv_method={spec!r}: {', '.join(unserved)} is not served by the engine yet (its layers or heads keep "
-                f"different numbers of tokens, or it re-rotates keys when reading them); the engine serves {served}; "
-                "run it with kvopt.cache(...) and model.generate"
+                f"kv_method={spec!r}: {', '.join(unserved)} is not served by the engine yet (it ranks all layers "
+                f"together, stores tokens its own way, or re-rotates keys when reading them); the engine serves "
+                f"{served}; run it with kvopt.cache(...) and model.generate"
             )
         if any(window is not None for window in self.info.sliding_windows):
             raise RequestError(
@@ -184,12 +189,18 @@ class LLMEngine:
             method.check_model(self.info)
             method.prepare(self.model, local_prose)
         quantizers = [method for method in methods if storage(method) == "quantized"]
+        headwise = not all(method.uniform_budgets for method in methods)
+        if headwise and quantizers:
+            raise RequestError(
+                f"kv_method={spec!r}: the engine holds layer- or head-wise budgets at full precision only; "
+                "drop the quantizer, or use a uniform-budget method (e.g. snapkv) with it"
+            )
         code_format = None
         if quantizers:
             method = quantizers[0]
             code_format = CodeFormat.probe(self.info, self.dtype, self.config.block_size, method.bits, method.group,
                                            method.key_mode)  # fmt: skip
-        return Compression(methods, code_format)
+        return Compression(methods, code_format, headwise)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (unknown or finished ids are ignored)."""

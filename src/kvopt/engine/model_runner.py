@@ -12,6 +12,7 @@ import torch
 
 from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots, last_tokens, slots_of
 from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
+from kvopt.cache.paged_headwise import HeadwiseKV, HeadwiseStep
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.engine.sequence import Sequence
 from kvopt.models.info import ModelInfo
@@ -42,12 +43,19 @@ class ModelRunner:
         """Compute the batch's tokens; returns fp32 logits ``[sampling sequences, vocab]`` in batch order."""
         self.pool.copy_blocks(copies)
         ids, positions, new_slots, logit_rows, sequences, compressed, stored_rows = [], [], [], [], [], [], []
+        headwise = []
         device = self.device
         row = 0
         for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_tokens)):
             first = seq.num_computed_tokens
             ids.extend(seq.token_ids[first : first + count])
             positions.extend(range(first, first + count))
+            if batch.samples(index):
+                logit_rows.append(row + count - 1)
+            if isinstance(seq.kv, HeadwiseKV):  # stores and attends itself, from head blocks anywhere in its blocks
+                headwise.append(HeadwiseStep(seq.kv, row, row + count, first, list(seq.block_table)))
+                row += count
+                continue
             is_prefill = seq.kv is not None and first == 0  # a compressed prompt: its tokens go to its methods
             runs = [] if is_prefill else self._runs(seq, seq.num_stored_tokens + count)
             if not is_prefill:
@@ -58,11 +66,10 @@ class ModelRunner:
                 compressed.append(CompressedStep(seq.kv, row, row + count, first, is_prefill, runs,
                                                  list(seq.block_table), list(seq.code_table)))  # fmt: skip
             row += count
-            if batch.samples(index):
-                logit_rows.append(row - 1)
         slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device)
         rows = None if len(stored_rows) == row else torch.tensor(stored_rows, dtype=torch.long, device=device)
-        self.cache.batch = PagedBatch(slot_mapping, sequences, DecodeGroup.of(sequences, device), rows, compressed)
+        self.cache.batch = PagedBatch(slot_mapping, sequences, DecodeGroup.of(sequences, device), rows, compressed,
+                                      headwise)  # fmt: skip
         try:
             output = self.model(
                 input_ids=torch.tensor([ids], device=device),

@@ -54,6 +54,16 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_tokens[index] == len(seq)
 
 
+@dataclass(slots=True)
+class SwappedBlocks:
+    """A swapped-out sequence's blocks: their contents in host memory and the ids they had."""
+
+    contents: object
+    block_ids: list[int]
+    #: How many of ``block_ids`` were its block table (the rest: a compressed sequence's code table).
+    num_table_blocks: int
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None) -> None:
         self.config = config
@@ -61,7 +71,7 @@ class Scheduler:
         self.swapper = swapper
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.swapped: deque[tuple[Sequence, object]] = deque()
+        self.swapped: deque[tuple[Sequence, SwappedBlocks]] = deque()
         self.num_preemptions = 0
 
     def _rank(self, seq: Sequence) -> tuple:
@@ -150,27 +160,29 @@ class Scheduler:
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
 
     def _swap_in(self) -> None:
-        manager = self.block_manager
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq, saved = self.swapped[0]
-            computed = seq.num_computed_tokens
-            seq.num_computed_tokens = 0
-            if not manager.allocate_slots(seq, computed):
-                seq.num_computed_tokens = computed
+            block_ids = self.block_manager.take_blocks(len(saved.block_ids))
+            if block_ids is None:
                 return
-            seq.num_computed_tokens = computed
-            self.swapper.swap_in(saved, seq.block_table)
+            seq.block_table, seq.code_table = block_ids[: saved.num_table_blocks], block_ids[saved.num_table_blocks :]
+            if seq.kv is not None:
+                seq.kv.relocate(dict(zip(saved.block_ids, block_ids)))
+            self.swapper.swap_in(saved.contents, block_ids)
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks: swapped to host memory in ``swap`` mode, else recomputed later. A
-        compressed sequence is always recomputed (its methods compress prompt and output anew)."""
+        """Free ``seq``'s blocks: swapped to host memory in ``swap`` mode (exact: it continues as if never
+        preempted), else recomputed later (a compressed sequence's methods then compress prompt and output anew)."""
         self.num_preemptions += 1
-        swap = self.config.preemption_mode == "swap" and self.swapper is not None and seq.kv is None
+        swap = self.config.preemption_mode == "swap" and self.swapper is not None
         if swap and seq.num_computed_tokens:
-            saved = self.swapper.swap_out(seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)])
+            held = seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)]
+            if seq.kv is not None:  # its tables hold exactly its stored tokens and groups
+                held = seq.block_table + seq.code_table
+            saved = SwappedBlocks(self.swapper.swap_out(held), held, min(len(held), len(seq.block_table)))
             computed = seq.num_computed_tokens
             self.block_manager.free(seq)
             seq.num_computed_tokens = computed

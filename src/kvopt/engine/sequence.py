@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.cache.paged_compressed import CompressedKV
+from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine.sampling_params import SamplingParams
 
 
@@ -44,7 +45,7 @@ class Sequence:
     prefix_looked_up: bool = False
     block_table: list[int] = field(default_factory=list)
     #: A compressed sequence's cache state (None: lossless, every computed token in ``block_table``).
-    kv: CompressedKV | None = None
+    kv: CompressedKV | HeadwiseKV | None = None
     #: A compressed sequence's blocks of quantized groups.
     code_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -74,6 +75,12 @@ class Sequence:
     def num_stored_tokens(self) -> int:
         """Tokens in the slots of ``block_table`` (fewer than computed once a method compressed them)."""
         return self.num_computed_tokens if self.kv is None else self.kv.stored
+
+    def slots_needed(self, num_new_tokens: int) -> int:
+        """Slots ``block_table`` must have once ``num_new_tokens`` more tokens are stored."""
+        if self.kv is None:
+            return self.num_computed_tokens + num_new_tokens
+        return self.kv.slots_needed(num_new_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:

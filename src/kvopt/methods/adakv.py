@@ -31,7 +31,8 @@ class AdaKV(Eviction):
     summary = "head-wise adaptive budgets (global top-k + floor) over a scorer, ragged storage (Ada-KV)"
     #: The survivors move out of the dense store (see :func:`kvopt.methods.spec.storage`).
     storage = "ragged"
-    runs_in_engine = False  # heads keep different numbers of tokens
+    runs_in_engine = True
+    uniform_budgets = False  # heads keep different numbers of tokens
 
     window: int = field(default=64, metadata={"help": "most recent tokens every head keeps, counted in the budget"})
     scorer: str = field(default="snapkv", metadata={"help": "registered eviction method whose scores are used"})

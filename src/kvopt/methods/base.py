@@ -79,9 +79,12 @@ class Method:
     #: True when the method keeps a different token set per KV head (so positions are per head).
     selects_per_head: ClassVar[bool] = False
     #: True when the serving engine's paged blocks can hold what the method keeps (``kvopt.LLM`` serves
-    #: it): every layer and KV head keeps the same number of tokens, at full precision or in one
-    #: quantized format, and attention reads the keys as stored.
+    #: it): tokens at full precision or in one quantized format, layer by layer (no ranking across
+    #: layers), and attention reads the keys as stored.
     runs_in_engine: ClassVar[bool] = False
+    #: False when layers or KV heads keep different numbers of tokens (the engine then stores the
+    #: sequence in head blocks, :mod:`kvopt.cache.paged_headwise`).
+    uniform_budgets: ClassVar[bool] = True
 
     def owns_layer(self, index: int) -> bool:
         """True when this method stores layer ``index``'s tokens its own way (cross-layer merging)."""

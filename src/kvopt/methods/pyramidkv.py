@@ -61,7 +61,8 @@ class PyramidKV(SnapKV):
     """SnapKV per KV head, with a budget that decreases linearly from the first layer to the last."""
 
     name = "pyramidkv"
-    runs_in_engine = False  # layers keep different numbers of tokens
+    runs_in_engine = True
+    uniform_budgets = False  # layers keep different numbers of tokens
     summary = "SnapKV selection with pyramidal per-layer budgets (more in lower layers), at prefill (PyramidKV)"
     budget_convention = "ratio = fraction removed, or budget = tokens kept, both averaged over layers (window included)"
 
