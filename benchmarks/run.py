@@ -4,10 +4,10 @@
     python benchmarks/run.py        # the same, in an environment that already has them
 
 Steps: load time (cold conversion vs warm), speed/memory bench (median of repeats, ratios to
-plain HF generation), the accuracy grid (resumable: results/benchmarks/eval.jsonl is reused),
-streaming perplexity, the serving engine next to HF (benchmarks/serving.py, its rows committed
-in benchmarks/results/), `kvopt serve` under load (benchmarks/load.py, likewise), then the report
-with plots into benchmarks/report/.
+plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
+streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
+load (benchmarks/load.py), then the report with plots into benchmarks/report/. Every step's rows
+are committed in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def load_times() -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=ROOT / "results" / "benchmarks")
+    # Committed beside BENCHMARKS.md, so another machine can re-compose the report or resume a step.
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--bench-lengths", default="512,2048")
     parser.add_argument("--bench-methods", default="full,window:size=512")
     parser.add_argument("--speed-length", type=int, default=4096)

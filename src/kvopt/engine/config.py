@@ -30,8 +30,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Sequences decoded together at most.
     max_num_seqs: int = 64
-    #: Tokens computed in one forward pass at most (decodes plus prefill chunks).
-    max_num_batched_tokens: int = 1024
+    #: Tokens computed in one forward pass at most (decodes plus prefill chunks). Larger passes use the
+    #: CPU's matrix units better, up to a point (one thread, 24 prompts of 100-1,000 tokens + 48 new
+    #: tokens each, wall time: 1024 tokens 50.2 s, 2048 50.6 s, 4096 43.1 s, 8192 65.3 s); a server
+    #: wanting smooth inter-token latency under bursts of long prompts sets it lower.
+    max_num_batched_tokens: int = 4096
     #: Longest prompt + output; None: the model's maximum positions.
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
