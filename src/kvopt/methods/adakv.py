@@ -8,7 +8,9 @@ own top ``b_h`` tokens plus the protected ``window``. Unlike kvpress, which mask
 and keeps their memory, the survivors are packed per head into a ragged store, so the bytes
 held follow the budget. Scores come from the wrapped method (``scorer=snapkv`` by default,
 any registered eviction method works); compression happens once, at prefill.
-Deviation: the window is protected for every head (as SnapKV), not re-scored.
+Deviations: the window is protected for every head (as SnapKV), not re-scored; sliding-window and
+soft-capped layers (Mistral, Gemma 2), which ragged storage cannot serve yet, keep the same budget per
+head (the scorer's top tokens per head, in the dense store).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import get, register
-from kvopt.methods.eviction import Eviction
+from kvopt.methods.eviction import Eviction, keep_top
 
 
 @register
@@ -56,6 +58,10 @@ class AdaKV(Eviction):
         scores = self._scorer.score(layer, step).float()
         if scores.shape[1] == 1:  # a layer-shared scorer: every head sees the same scores
             scores = scores.expand(-1, layer.store.keys.shape[1], -1)
+        softcap = getattr(getattr(step.module, "config", None), "attn_logit_softcapping", None)
+        if softcap or layer.sliding_window is not None:
+            keep_top(layer, scores, targets, self.window)  # ragged storage cannot serve this layer yet
+            return
         layer.to_ragged(allocate(scores, layer.store.valid, targets, self.window, self.alpha))
 
     def score(self, layer, step) -> torch.Tensor:
