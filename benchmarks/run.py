@@ -6,8 +6,9 @@
 Steps: load time (cold conversion vs warm), speed/memory bench (median of repeats, ratios to
 plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
-load (benchmarks/load.py), then the report with plots into benchmarks/report/. Every step's rows
-are committed in benchmarks/results/.
+load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
+speculative decoding (benchmarks/speculative.py), then the report with plots into benchmarks/report/.
+Every step's rows are committed in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import codec
 import load
 import serving
+import speculative
+import tiers
 import torch
 import transformers
 
@@ -115,8 +119,9 @@ def main() -> None:
     parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps", default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve",
-        help="comma-separated subset of load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve",
+        "--steps",
+        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative",
+        help="comma-separated subset of the default (or none: compose BENCHMARKS.md from the committed rows)",
     )  # fmt: skip
     args = parser.parse_args()
     steps = set(args.steps.split(","))
@@ -182,6 +187,12 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py")], check=True)
     if "serve" in steps:  # `kvopt serve` under load, its own rows (benchmarks/results/load.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load.py")], check=True)
+    if "codec" in steps:  # bytes per token and perplexity gap per cache encoding (benchmarks/results/codec.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py")], check=True)
+    if "tiers" in steps:  # a seen prefix from RAM / CPU / disk / Redis (benchmarks/results/tiers.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
+    if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
     compose(args, load_timings(args.results))
 
 
@@ -363,7 +374,8 @@ def compose(args, timings: dict[str, float]) -> None:
     report = report.replace(f"{ROOT}/", "")
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
-    extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section()]
+    extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
+             *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)
@@ -411,6 +423,13 @@ def compose(args, timings: dict[str, float]) -> None:
         if plot.name not in body:
             plot.unlink()
     print(target.read_text())
+
+
+def committed_section(step) -> list[str]:
+    """A step's section from its committed rows (``step.ROWS``, rendered by ``step.render``); none without rows."""
+    path = step.ROWS
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [*step.render(rows).splitlines(), ""] if rows else []
 
 
 def previous_timings(header: str) -> dict[str, float]:

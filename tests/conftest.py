@@ -57,3 +57,23 @@ def default_model():
     import kvopt
 
     return kvopt.load_model()
+
+
+@pytest.fixture(scope="module")
+def model_folder(tiny_with_tokenizer, tmp_path_factory):
+    """The tiny llama with the real tokenizer (and its chat template), saved as an HF folder (for CLI tests)."""
+    model, tokenizer = tiny_with_tokenizer
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and lose a lot on a busy machine
+    (a module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

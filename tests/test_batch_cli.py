@@ -8,16 +8,6 @@ import pytest
 from kvopt.cli.main import main
 
 
-@pytest.fixture(scope="module")
-def model_folder(tiny_with_tokenizer, tmp_path_factory):
-    """The tiny llama with the real tokenizer (and its chat template), saved as an HF folder."""
-    model, tokenizer = tiny_with_tokenizer
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def run(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
     monkeypatch.setattr(sys, "argv", ["kvopt", "batch", *args])
     try:
@@ -36,7 +26,7 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
         {"prompt": "Once upon a time", "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 4, "ignore_eos": True},
         {"prompt": " hello" * 2500, "max_tokens": 4},  # longer than the context (2048 positions): fails alone
         {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True, "kv_method": "kivi:bits=4"},
-        {"prompt": "Hi", "kv_method": "adakv:ratio=0.5"},  # not served by the engine: fails alone
+        {"prompt": "Hi", "kv_method": "kvzip:ratio=0.5"},  # not served by the engine: fails alone
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines) + "\n")

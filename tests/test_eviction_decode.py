@@ -28,13 +28,7 @@ SPECS = ["h2o:budget=32", "morphkv:budget=32,window=8", "streamingllm:budget=32"
 SHARPEN = 5.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and lose a lot on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- tapping a layer's inputs and outputs ---------------------------------------------------------

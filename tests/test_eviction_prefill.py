@@ -29,13 +29,7 @@ from kvopt.methods.pyramidkv import pyramid_budget
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster than with several on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- capture -----------------------------------------------------------------------------------

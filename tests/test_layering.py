@@ -42,6 +42,11 @@ def runtime_imports(path: Path) -> set[str]:
         ("cache", ("kvopt.methods", "kvopt.eval", "kvopt.api", "kvopt.engine", "kvopt.serving", "kvopt.cli")),
         ("methods", ("kvopt.eval", "kvopt.api", "kvopt.engine", "kvopt.serving", "kvopt.cli")),
         ("engine", ("kvopt.eval", "kvopt.serving", "kvopt.cli")),
+        ("speculative", ("kvopt.eval", "kvopt.engine", "kvopt.serving", "kvopt.cli")),
+        # the codec reads and writes cache storage (and rebuilds caches through the api); tiers hold bytes only
+        ("codec", ("kvopt.methods", "kvopt.eval", "kvopt.engine", "kvopt.serving", "kvopt.cli", "kvopt.tiers")),
+        ("tiers", ("kvopt.cache", "kvopt.methods", "kvopt.eval", "kvopt.api", "kvopt.engine", "kvopt.serving",
+                   "kvopt.cli", "kvopt.codec")),  # fmt: skip
     ],
 )
 def test_lower_layers_never_import_higher_ones(package, forbidden):

@@ -37,7 +37,7 @@ SAMPLING = {
     "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=3), "stream": st.booleans(), "user": st.text(max_size=5),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "kv_method": st.sampled_from(
-        ["full", "snapkv:ratio=0.5", "kivi:bits=4,residual=32", "h2o:budget=8", "adakv:ratio=0.5"]
+        ["full", "snapkv:ratio=0.5", "kivi:bits=4,residual=32", "h2o:budget=8", "adakv:ratio=0.5", "kvzip:ratio=0.5"]
     ),
 }  # fmt: skip
 ENDPOINTS = {

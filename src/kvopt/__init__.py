@@ -4,6 +4,9 @@
     cache = kvopt.cache("window:size=1024", model)   # or "full"
     model.generate(ids, past_key_values=cache, max_new_tokens=64)
     cache.nbytes(), cache.stats()
+    cache.save("chat.kvc"); cache = kvopt.load_cache("chat.kvc", model)   # a session outlives the process
+
+    kvopt.generate(model, ids, cache="kivi:bits=4", speculate="prompt_lookup:k=4")   # speculative decoding
 
     llm = kvopt.LLM()                                # the serving engine: paged, prefix-cached, batched
     llm.generate(prompts, kvopt.SamplingParams(max_tokens=64))
@@ -12,11 +15,13 @@
 from kvopt import methods
 from kvopt.api import build_cache as cache
 from kvopt.cache import KVCache
+from kvopt.codec import load_cache
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import KVOptError
 from kvopt.models import ModelInfo, load_model, prepare
+from kvopt.speculative import generate
 
 __all__ = [
-    "LLM", "KVCache", "KVOptError", "ModelInfo", "SamplingParams", "cache", "load_model", "methods", "prepare",
+    "LLM", "KVCache", "KVOptError", "ModelInfo", "SamplingParams", "cache", "generate", "load_cache", "load_model", "methods", "prepare",
 ]  # fmt: skip
 __version__ = "0.1.0"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,9 @@ class KVCache(Cache):
         self.methods = methods
         self.info = info
         self._config = config
+        #: The model :meth:`for_model` built this cache for (weak: a cache never keeps a model alive).
+        self._model: weakref.ref | None = None
+        self._speculating: list[KVLayer] | None = None
         layers = [KVLayer(methods, window) for window in info.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.siblings = index, layers
@@ -50,7 +56,23 @@ class KVCache(Cache):
         for method in methods:
             method.check_model(info)
         prepare(model)
-        return cls(methods, info, model.config)
+        cache = cls(methods, info, model.config)
+        cache._model = weakref.ref(model)
+        return cache
+
+    @property
+    def model(self):
+        """The model this cache was built for by :meth:`for_model` (None otherwise, or once it is gone)."""
+        return self._model() if self._model is not None else None
+
+    def save(self, path, encoding: str = "raw"):
+        """Write this cache to ``path`` atomically; ``kvopt.load_cache(path, model)`` continues from it.
+
+        ``encoding``: ``raw`` (lossless), ``int8``, ``int4`` or ``cachegen`` (see :mod:`kvopt.codec`).
+        """
+        from kvopt.codec import save_cache
+
+        return save_cache(self, path, encoding)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.info.check_keys(layer_idx, key_states)
@@ -107,6 +129,51 @@ class KVCache(Cache):
             )
         for layer, done in zip(self.layers, source.layers):
             layer.replay_prefill(done)
+
+    @contextmanager
+    def speculate(self, layers: int | None = None) -> Iterator[KVCache]:
+        """Open a speculative block: tokens fed inside are provisional until :meth:`commit`.
+
+        Inside, a forward over several tokens is verified exactly as plain decoding would process
+        them one by one (methods act after each token, see :meth:`KVLayer.open_speculation`);
+        ``commit(n)`` keeps the first ``n`` and forgets the others along with every score,
+        quantization or merge they caused, so the cache then holds exactly what plain decoding of
+        the kept tokens holds. Leaving the block without ``commit`` (or on an error) keeps none.
+        ``layers`` limits the block to the first layers (a self-speculative draft runs only those).
+
+            with cache.speculate():
+                logits = model(block, past_key_values=cache).logits
+                cache.commit(accepted)
+        """
+        if self._speculating is not None:
+            raise CacheUsageError("a speculative block is already open on this cache; commit it first")
+        if layers is not None and not 1 <= layers <= len(self.layers):
+            raise CacheUsageError(f"speculate(layers={layers}): the cache has {len(self.layers)} layers")
+        chosen = self.layers[:layers]
+        seen: set[int] = set()
+        for layer in chosen:
+            layer.open_speculation(seen)
+        self._speculating = chosen
+        try:
+            yield self
+        finally:
+            if self._speculating is not None:
+                self.commit(0)
+
+    def commit(self, accepted: int) -> None:
+        """Keep the first ``accepted`` tokens of the open speculative block; close it."""
+        layers, self._speculating = self._speculating, None
+        if layers is None:
+            raise CacheUsageError("commit() needs an open speculative block: use `with cache.speculate(): ...`")
+        for layer in layers:
+            layer.commit(accepted)
+
+    def speculation_limit(self) -> int | None:
+        """Most tokens the next speculative block may hold for its methods to act as in plain decoding
+        (a cross-layer merge must fall on the block's last token); None when unbounded."""
+        limits = [m.speculation_limit(layer) for layer in self.layers for m in self.methods]
+        limits = [limit for limit in limits if limit is not None]
+        return min(limits) if limits else None
 
     @property
     def spec(self) -> str:

@@ -249,6 +249,33 @@ class DenseKVStore:
         copy.all_valid, copy.heads_aligned, copy.first_position = self.all_valid, self.heads_aligned, self.first_position
         return copy
 
+    def live_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer's live range by name (keys, values, positions, valid, ``extra:NAME``): what a saved store holds."""
+        return {name: self._live(name) for name in self._buffers}
+
+    @classmethod
+    def restore(
+        cls, live: dict[str, torch.Tensor], first_position: int | None, all_valid: bool, heads_aligned: bool
+    ) -> DenseKVStore:
+        """A store holding ``live`` (as :meth:`live_buffers` gave them) with these flags: a loaded cache's store."""
+        store = cls()
+        if live:
+            store._install(live, live["keys"].shape[TOKEN_AXIS])
+        store.first_position, store.all_valid, store.heads_aligned = first_position, all_valid, heads_aligned
+        return store
+
+    def snapshot(self, share_buffers: bool = False) -> DenseKVStore:
+        """This store exactly as it is (buffers with their slack, offsets, flags), as a restore point.
+
+        With ``share_buffers`` the tensors are not copied: the snapshot stays valid only while this
+        store is merely appended to from ``start == 0`` (appends write past the live range, or into
+        fresh buffers), which is how a speculative block leaves an append-only layer.
+        """
+        copy = DenseKVStore()
+        copy.__dict__.update(self.__dict__)
+        copy._buffers = dict(self._buffers) if share_buffers else {n: t.clone() for n, t in self._buffers.items()}
+        return copy
+
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep or repeat batch rows (beam search, batch filtering)."""
         if self.is_empty:

@@ -1,4 +1,4 @@
-"""The ``kvopt`` command line: generate, batch, serve, memory, methods, eval, report, bench.
+"""The ``kvopt`` command line: generate, chat, batch, serve, memory, methods, eval, report, bench.
 
 User mistakes (bad spec, missing model, too-long prompt) print one line and exit with code 2.
 """
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvopt.cli.batch import batch
+from kvopt.cli.chat import chat
 from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
@@ -97,10 +98,22 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 128,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="wrap the prompt in the chat template")] = True,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    speculate: Annotated[
+        Optional[str],
+        typer.Option(help="speculative decoding: prompt_lookup:k=4, self:layers=8,k=4 or draft:model=PATH,k=4"),
+    ] = None,
 ) -> None:
-    """Stream an answer token by token, then print one stats line."""
+    """Stream an answer token by token, then print one stats line (with --speculate: the answer once done)."""
     from kvopt.runtime import generate_streaming
 
+    if speculate is not None:
+        from kvopt.speculative.text import speculate_text, summary
+
+        text, output = speculate_text(prompt, speculate, model, method, max_new_tokens, chat, dtype)
+        _echo(text)
+        console.print()
+        console.print(summary(method, speculate, output), style="dim", highlight=False, markup=False, soft_wrap=True)
+        return
     result = generate_streaming(
         prompt, model=model, method=method, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, sink=_echo
     )
@@ -288,6 +301,7 @@ def list_methods(
 
 
 app.command("batch")(batch)
+app.command("chat")(chat)
 app.command("serve")(serve)
 
 

@@ -33,15 +33,22 @@ def serve(
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="log every request")] = True,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads; default: torch's (on a machine "
                                                    "other busy processes share, fewer avoids spinning threads)")] = None,
+    kv_tier: Annotated[Optional[list[str]], typer.Option(help="a KV tier beyond the pool, fastest first, repeatable: "
+                                                         "cpu:4GB, disk:PATH:20GB, redis://HOST:PORT/0?max=1GB")] = None,
+    kv_tier_encoding: Annotated[str, typer.Option(help="codec of tier entries: raw, int8, int4 or cachegen")] = "raw",
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
     from kvopt.engine import EngineConfig
+    from kvopt.engine.offload import tier_spec
     from kvopt.methods import parse
     from kvopt.serving import ServerSettings
     from kvopt.serving import serve as run
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    tiers = tuple(kv_tier or ())
+    for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
+        tier_spec(spec)
 
     def load():
         import torch
@@ -51,7 +58,8 @@ def serve(
         if threads is not None:
             torch.set_num_threads(threads)
         return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
-                   enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len).engine  # fmt: skip
+                   enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                   kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding).engine  # fmt: skip
 
     settings = ServerSettings(
         served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,

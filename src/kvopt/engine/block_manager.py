@@ -71,9 +71,13 @@ class BlockManager:
     def prompt_hashes(self, seq: Sequence) -> list[bytes]:
         """Chained hashes of ``seq``'s full blocks that a prefix hit may cover: at most ``(len(seq) - 1) //
         block_size`` of them, since the last token is always computed (its step needs logits to sample from)."""
+        return self.hashes_of(seq.token_ids, (len(seq) - 1) // self.block_size)
+
+    def hashes_of(self, token_ids: list[int], blocks: int) -> list[bytes]:
+        """Chained hashes of the first ``blocks`` full blocks of ``token_ids``."""
         hashes, parent = [], self.root_hash
-        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size, self.block_size):
-            parent = self.chain_hash(parent, tuple(seq.token_ids[start : start + self.block_size]))
+        for start in range(0, blocks * self.block_size, self.block_size):
+            parent = self.chain_hash(parent, tuple(token_ids[start : start + self.block_size]))
             hashes.append(parent)
         return hashes
 
@@ -180,6 +184,16 @@ class BlockManager:
             parent = self.chain_hash(parent, tokens)
             block.hash, block.token_ids = parent, tokens
             self.hash_to_block_id.setdefault(parent, block.block_id)
+
+    def restore_block(self, digest: bytes, token_ids: tuple[int, ...]) -> int:
+        """A free block renamed ``digest`` (its contents come from a KV tier): cached and free, most recently
+        freed, as if a finished request had just left it. The least recently freed block is given up for it."""
+        block_id = self._take_free_block()
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.ref_count = digest, token_ids, 0
+        self.hash_to_block_id[digest] = block_id
+        self.free_queue[block_id] = None
+        return block_id
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         self.prefix_stats.queries += prompt_tokens

@@ -39,6 +39,11 @@ class EngineConfig:
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
     policy: str = "fcfs"
+    #: Where prefix blocks go beyond the pool, fastest first: ``"cpu:4GB"``, ``"disk:/var/cache/kvopt:20GB"``,
+    #: ``"redis://127.0.0.1:6379/0?max=1GB"`` (see :mod:`kvopt.engine.offload`).
+    kv_tiers: tuple[str, ...] = ()
+    #: How tier entries are encoded (:mod:`kvopt.codec`): ``raw`` (lossless) or a lossy codec.
+    kv_tier_encoding: str = "raw"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -55,12 +60,13 @@ class EngineConfig:
         parse_memory(self.kv_memory, torch.device("cpu"))  # fail early on a malformed size
 
 
-def parse_memory(value: str | int | float, device: torch.device) -> int:
-    """Bytes from ``"1GB"`` / ``"512MiB"`` / ``1_000_000`` / a fraction of the device's free memory."""
+def parse_memory(value: str | int | float, device: torch.device, name: str = "kv_memory") -> int:
+    """Bytes from ``"1GB"`` / ``"512MiB"`` / ``1_000_000`` / a fraction of the device's free memory
+    (``name`` is the setting errors name)."""
     if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"0?\.\d+|1\.0*", value.strip())):
         fraction = float(value)
         if not 0.0 < fraction <= 1.0:
-            raise EngineConfigError(f"kv_memory={value!r}: a fraction of free memory must lie in (0, 1], e.g. 0.5")
+            raise EngineConfigError(f"{name}={value!r}: a fraction of free memory must lie in (0, 1], e.g. 0.5")
         return int(fraction * free_memory(device))
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
@@ -69,11 +75,11 @@ def parse_memory(value: str | int | float, device: torch.device) -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise EngineConfigError(
-                f"kv_memory={value!r} is not a size; write e.g. '1GB', '512MiB', 1000000 or a fraction such as 0.5"
+                f"{name}={value!r} is not a size; write e.g. '1GB', '512MiB', 1000000 or a fraction such as 0.5"
             )
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise EngineConfigError(f"kv_memory={value!r} must be more than 0 bytes")
+        raise EngineConfigError(f"{name}={value!r} must be more than 0 bytes")
     return size
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator, Sequence
 
+from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig
 from kvopt.engine.llm_engine import LLMEngine
 from kvopt.engine.outputs import RequestOutput
@@ -92,6 +94,30 @@ class LLM:
 
     def metrics(self) -> dict:
         return self.engine.metrics()
+
+    def save_session(self, conversation: RequestOutput | list[int], path: str | os.PathLike, encoding: str = "raw"):
+        """Save a finished request's KV (its prompt + first completion, or the token ids given) to ``path``.
+
+        After a restart, :meth:`load_session` puts it back; a prompt continuing those tokens then
+        computes only what is new (see :mod:`kvopt.engine.sessions`). Returns the path.
+        """
+        if isinstance(conversation, RequestOutput):
+            conversation = list(conversation.prompt_token_ids) + list(conversation.outputs[0].token_ids)
+        return sessions.save_session(self.engine, conversation, path, encoding)
+
+    def load_session(self, path: str | os.PathLike) -> list[int]:
+        """Restore a saved session's blocks into the prefix cache; returns its token ids (prompt + output)."""
+        return sessions.load_session(self.engine, path)
+
+    def close(self) -> None:
+        """Finish writing blocks to the KV tiers (``kv_tiers=``); the engine keeps serving from its pool."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _run(self, wanted: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

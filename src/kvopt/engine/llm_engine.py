@@ -7,6 +7,7 @@ A server drives it from its event loop (``add_request`` / ``abort`` / ``step``);
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -22,10 +23,12 @@ from kvopt.engine.config import EngineConfig, EngineConfigError, parse_memory
 from kvopt.engine.detokenizer import IncrementalDetokenizer
 from kvopt.engine.metrics import EngineStats
 from kvopt.engine.model_runner import ModelRunner
+from kvopt.engine.offload import KVOffload
 from kvopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.engine.scheduler import Scheduler
 from kvopt.engine.sequence import Sequence
+from kvopt.codec.fingerprint import model_fingerprint
 from kvopt.errors import KVOptError
 from kvopt.methods import available, parse
 from kvopt.methods.full import Full
@@ -82,7 +85,9 @@ class LLMEngine:
                 f"of max_model_len={self.max_model_len} tokens needs {minimum} ({minimum * block_bytes:,} bytes); "
                 "raise kv_memory or lower max_model_len"
             )
-        salt = f"{getattr(model.config, '_name_or_path', '')}|{model.config.model_type}|{dtype}|{config.kv_method}"
+        # Stable across processes and machines (tier keys derive from it): the model's fingerprint, not its path.
+        self.fingerprint = model_fingerprint(model)
+        salt = f"{json.dumps(self.fingerprint, sort_keys=True)}|{config.kv_method}"
         self.block_bytes = block_bytes
         self.dtype = dtype
         self._compressions: dict[str, Compression | None] = {}
@@ -92,7 +97,11 @@ class LLMEngine:
             raise EngineConfigError(str(error)) from None
         self.block_manager = BlockManager(num_blocks, config.block_size, salt, config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.info, num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, self.runner)
+        self.offload = None
+        if config.kv_tiers:
+            self.offload = KVOffload.from_specs(config.kv_tiers, self.runner.pool, self.block_manager,
+                                                self.fingerprint, config.kv_tier_encoding)  # fmt: skip
+        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stop_token_ids = _eos_ids(model, tokenizer)
@@ -133,6 +142,8 @@ class LLMEngine:
         request.seqs.append(seq)
         self._add_detokenizer(request, seq)
         self.scheduler.add(seq)
+        if self.offload is not None and kv is None:
+            self.offload.prefetch(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -355,7 +366,14 @@ class LLMEngine:
             "time_to_first_token_seconds": stats.ttft.snapshot(),
             "inter_token_latency_seconds": stats.itl.snapshot(),
             "e2e_request_latency_seconds": stats.e2e.snapshot(),
+            "kv_tiers": self.offload.metrics() if self.offload is not None else {},
         }
+
+    def close(self) -> None:
+        """Finish writing finished requests' blocks to the KV tiers (a restarted engine then finds them)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = self.scheduler.offload = None
 
     def slot_usage(self) -> tuple[int, int]:
         """Token slots in blocks held by running sequences, and how many of them hold stored tokens

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
+from kvopt.engine.offload import KVOffload
 from kvopt.engine.sequence import Sequence, SequenceStatus
 
 
@@ -65,10 +66,13 @@ class SwappedBlocks:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None,
+                 offload: KVOffload | None = None) -> None:  # fmt: skip
         self.config = config
         self.block_manager = block_manager
         self.swapper = swapper
+        #: The KV tiers beyond the pool, if any: finished requests' blocks go there, prompts look there too.
+        self.offload = offload
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[tuple[Sequence, SwappedBlocks]] = deque()
@@ -134,6 +138,8 @@ class Scheduler:
             compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
             hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
             cached = manager.cached_prefix(seq, hashes)
+            if self.offload is not None and len(cached) < len(hashes):
+                cached += self.offload.restore(seq, hashes, len(cached))
             if len(cached) < len(hashes) and hashes[len(cached)] in computing:
                 break  # cached after this step: admitted next step, computing only what is its own
             uncomputed = len(seq) - len(cached) * manager.block_size
@@ -204,6 +210,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped = deque(item for item in self.swapped if item[0] is not seq)
         if seq.block_table:
+            if self.offload is not None and seq.kv is None:
+                self.offload.save(seq)
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

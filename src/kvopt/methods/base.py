@@ -86,6 +86,17 @@ class Method:
     #: sequence in head blocks, :mod:`kvopt.cache.paged_headwise`).
     uniform_budgets: ClassVar[bool] = True
 
+    #: True when, once the prompt is cached, :meth:`after_attention` reads only the stored tokens (never
+    #: the queries) and acts at most after the last token of a block within :meth:`speculation_limit`:
+    #: a speculative block is then verified in one attention call (see :meth:`KVCache.speculate`);
+    #: otherwise (decode-time eviction scores queries) its tokens are attended one at a time.
+    verifies_at_once: ClassVar[bool] = False
+
+    def speculation_limit(self, layer: KVLayer) -> int | None:
+        """Most tokens the next speculative block may hold on ``layer`` for this method to act only after
+        its last token (None: it never acts while decoding, or acts per token anyway)."""
+        return None
+
     def owns_layer(self, index: int) -> bool:
         """True when this method stores layer ``index``'s tokens its own way (cross-layer merging)."""
         return False

@@ -50,6 +50,10 @@ class Eviction(Method):
         "prefill-time methods, at all times for decode-time ones)"
     )
 
+    @property
+    def verifies_at_once(self) -> bool:  # prefill-time methods compress once, then never act
+        return self.schedule == "prefill"
+
     def validate(self) -> None:
         if (self.ratio is None) == (self.budget is None):
             raise MethodParameterError(

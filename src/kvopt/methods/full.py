@@ -16,3 +16,4 @@ class Full(Method):
     summary = "lossless: keep every token (the baseline every method is compared with)"
     budget_convention = "keeps every token"
     runs_in_engine = True
+    verifies_at_once = True

@@ -42,5 +42,13 @@ class KIVI(Quantization):
     def bit_classes(self, quantized_tokens: int, layer: int) -> list[tuple[int, int]]:
         return [(self.bits, quantized_tokens)]
 
+    verifies_at_once = True  # quantization reads the stored tokens only
+
+    def speculation_limit(self, layer) -> int | None:
+        """A speculative block ends on the token that fills the residual (see :meth:`KVLayer.quantize_oldest`)."""
+        if layer.sliding_window is not None or any(m.owns_layer(layer.index) for m in layer.methods):
+            return None  # left in full precision
+        return max(1, max(self.residual, self.group) - len(layer.store))
+
     def after_attention(self, layer, step) -> None:
         layer.quantize_oldest(self.bits, self.group, self.residual, self.key_mode)

@@ -71,6 +71,15 @@ class MiniCache(Method):
                 f"({model.num_layers} layers); lower start"
             )
 
+    verifies_at_once = True  # merging reads the stored tokens only
+
+    def speculation_limit(self, layer) -> int | None:
+        """The deeper layer of a pair merges both layers' tokens once it holds ``residual``: a speculative
+        block ends on that token (the shallower layer has stored the whole block by then)."""
+        if self.roles.get(layer.index) != 1:
+            return None
+        return max(1, self.residual - len(layer.store))
+
     def owns_layer(self, index: int) -> bool:
         return index in self.roles
 

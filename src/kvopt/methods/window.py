@@ -38,6 +38,10 @@ class Window(Method):
         share at the prefill and adds later tokens on top; ``size`` evicts at every step."""
         return "prefill" if self.ratio is not None else "decode"
 
+    @property
+    def verifies_at_once(self) -> bool:  # a ratio fixes the kept share at the prefill, later tokens add on
+        return self.ratio is not None
+
     def validate(self) -> None:
         require_positive(self, "size")
         if self.ratio is not None:

@@ -187,6 +187,7 @@ class EngineClient:
             self._serve(engine)
         finally:
             self._refuse_pending()
+            engine.close()  # blocks on their way to the KV tiers are written before the process exits
 
     def _serve(self, engine: LLMEngine) -> None:
         while self._run_commands(block=not engine.has_unfinished_requests()):

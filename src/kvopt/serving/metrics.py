@@ -65,6 +65,31 @@ class EngineCollector:
         for reason, count in sorted(snapshot["request_success_total"].items()):
             finished.add_metric([*labels, reason], count)
         yield finished
+        yield from _tier_families(snapshot["kv_tiers"], labels)
+
+
+#: Per-tier statistic -> (help text, counter?), exported as ``kvopt:kv_tier_<stat>`` with a ``tier`` label.
+TIER_STATS = {
+    "hits": ("KV blocks found in the tier.", True),
+    "misses": ("KV blocks looked up and not found in the tier.", True),
+    "stores": ("KV blocks written to the tier.", True),
+    "evictions": ("KV blocks the tier removed to stay within its size limit.", True),
+    "corrupt": ("KV blocks found damaged or from another model in the tier, dropped (never served).", True),
+    "errors": ("Failed tier operations (disk full, Redis down): the engine computed instead.", True),
+    "bytes_stored": ("Bytes the tier holds (Redis: the server's used_memory).", False),
+    "mean_load_seconds": ("Mean time to read a hit from the tier.", False),
+}
+
+
+def _tier_families(tiers: dict[str, dict], labels: list[str]):
+    if not tiers:
+        return
+    for stat, (doc, counter) in TIER_STATS.items():
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind(f"{PREFIX}kv_tier_{stat}", doc, labels=["model_name", "tier"])
+        for tier, stats in tiers.items():
+            family.add_metric([*labels, tier], stats[stat])
+        yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,108 @@
+"""``kvopt chat --session NAME``: a conversation on stdin whose KV cache outlives the process.
+
+Each line read is a user turn; the answer is generated greedily with ``--method`` and streamed.
+After every turn the cache and the conversation's token ids are saved atomically to
+``SESSIONS_DIR/NAME.kvc`` (``--sessions-dir``; default ``$KVOPT_SESSIONS``, else
+``$KVOPT_CACHE/sessions``, i.e. ``~/.cache/kvopt/sessions``). Restarted with the same name, the
+chat loads that cache and computes only the new turn's tokens, never the stored ones again.
+
+The conversation is the exact token sequence the model has seen: a new turn appends the chat
+template's rendering of the user message (the difference between the template applied to the
+conversation with and without it) to the stored tokens, so nothing stored is re-tokenized.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvopt.errors import KVOptError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def sessions_dir(option: Path | None) -> Path:
+    from kvopt.models.loading import cache_dir
+    from kvopt.paths import writable_folder
+
+    if option is not None:
+        return writable_folder(option, "--sessions-dir")
+    if os.environ.get("KVOPT_SESSIONS"):
+        return writable_folder(os.environ["KVOPT_SESSIONS"], "KVOPT_SESSIONS")
+    return writable_folder(cache_dir() / "sessions", "KVOPT_CACHE")
+
+
+def turn_tokens(tokenizer, messages: list[dict], text: str) -> list[int]:
+    """Token ids the new user turn ``text`` appends to a conversation of ``messages`` (see the module docstring)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(("\n" if messages else "") + text + "\n", add_special_tokens=not messages)["input_ids"]
+    turn = [*messages, {"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    before = tokenizer.apply_chat_template(messages, tokenize=False) if messages else ""
+    if not rendered.startswith(before):
+        raise KVOptError("this model's chat template rewrites earlier turns; kvopt chat needs one that only appends")
+    return tokenizer(rendered[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def chat(
+    session: Annotated[str, typer.Option("--session", help="session name; its cache is saved after every turn and resumed on restart")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", help="method spec of a new session (a resumed one keeps its own), default full")] = None,
+    sessions: Annotated[Optional[Path], typer.Option("--sessions-dir", help="folder of session files; default $KVOPT_SESSIONS or $KVOPT_CACHE/sessions")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per answer at most")] = 128,
+    encoding: Annotated[str, typer.Option(help="session file encoding: raw (lossless), int8, int4, cachegen")] = "raw",
+) -> None:
+    """Chat on stdin, one user turn per line; the conversation's KV cache persists across restarts."""
+    import torch
+    from transformers import TextStreamer
+
+    from kvopt.api import build_cache
+    from kvopt.codec import ENCODINGS, read_cache, save_cache
+    from kvopt.methods import parse
+    from kvopt.models.loading import load_model
+
+    if not NAME.fullmatch(session):
+        raise KVOptError(f"--session {session!r}: use letters, digits, '.', '_' or '-' (a file name)")
+    if encoding not in ENCODINGS:
+        raise KVOptError(f"--encoding {encoding!r}: use one of {', '.join(ENCODINGS)}")
+    path = sessions_dir(sessions) / f"{session}.kvc"
+    model, tokenizer = load_model(model)
+    if path.exists():
+        cache, meta = read_cache(path, model)
+        if method is not None and "+".join(m.spec() for m in parse(method)) != cache.spec:
+            raise KVOptError(f"session {session!r} runs {cache.spec!r}; omit --method or start a new session")
+        tokens, messages = meta["tokens"], meta["messages"]
+        _note(f"[session {session}: resumed {len(tokens)} tokens, {cache.spec}, from {path}]")
+    else:
+        cache, tokens, messages = build_cache(method or "full", model), [], []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for line in sys.stdin:
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        ids = torch.tensor([tokens + turn_tokens(tokenizer, messages, text)], device=model.device)
+        cached = cache.get_seq_length()
+        with torch.inference_mode():
+            if not cached and cache.needs_prefill_pass and ids.shape[-1] > 1:  # kvzip compresses the first prompt
+                cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
+            output = model.generate(
+                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            )  # fmt: skip
+        answer = output[0, ids.shape[-1] :]
+        tokens = output[0].tolist()
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
+        save_cache(cache, path, encoding, model, meta={"tokens": tokens, "messages": messages})
+        _note(
+            f"[session {session}: {cached} tokens reused, {ids.shape[-1] - cached} prompt tokens computed, "
+            f"{answer.numel()} generated; saved {path.stat().st_size:,} bytes]"
+        )
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,119 @@
+"""Local disk: one file per block under a folder, an LRU index rebuilt from the folder at start-up.
+
+Entries are written to a temporary file and renamed into place, so a reader (or a restart after a
+crash) sees whole files or none; a file damaged anyway (truncated by a full disk, a flipped byte)
+fails the codec's checksums when read and is deleted (:meth:`drop`). The size limit is enforced
+after every write by deleting the least recently used files; recency survives restarts through
+the files' modification times (a hit touches its file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvopt.tiers.base import TierStats, Warner
+
+SUFFIX = ".kvb"
+
+
+class DiskTier:
+    def __init__(self, path: str | os.PathLike, max_bytes: int, name: str = "disk") -> None:
+        self.name, self.max_bytes = name, max_bytes
+        self.path = Path(path)
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._warner = Warner()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    def _file(self, key: str) -> Path:
+        return self.path / key[-2:] / f"{key}{SUFFIX}"  # keys end in hash digits: even fan-out
+
+    def _rebuild_index(self) -> None:
+        """Index what an earlier process left, oldest first; leftovers of interrupted writes are deleted."""
+        found = []
+        for file in self.path.glob("*/*"):
+            if file.suffix != SUFFIX:
+                file.unlink(missing_ok=True)  # a temporary file of a write that never finished
+                continue
+            info = file.stat()
+            found.append((info.st_mtime, file.stem, info.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.stats.bytes_stored += size
+        self._evict()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if key not in self._index:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(key)
+        try:
+            file = self._file(key)
+            data = file.read_bytes()
+            os.utime(file)  # recency, for the LRU order after a restart
+        except OSError as error:
+            self._forget(key)
+            self.stats.errors += 1
+            self._warner.warn(f"kvopt disk tier {self.path}: reading a block failed ({error}); computing it instead")
+            return None
+        self.stats.hits += 1
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return
+        file = self._file(key)
+        temporary = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            file.parent.mkdir(exist_ok=True)
+            temporary.write_bytes(data)
+            os.replace(temporary, file)
+        except OSError as error:  # a full disk, a read-only folder: the block stays uncached
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            self.stats.errors += 1
+            self._warner.warn(f"kvopt disk tier {self.path}: writing a block failed ({error}); it is not cached")
+            return
+        with self._lock:
+            self._index[key] = len(data)
+            self.stats.bytes_stored += len(data)
+            self.stats.stores += 1
+            self._evict()
+
+    def contains(self, key: str) -> bool:
+        return key in self._index
+
+    def _evict(self) -> None:
+        while self._index and self.stats.bytes_stored > self.max_bytes:
+            key, size = self._index.popitem(last=False)
+            self._file(key).unlink(missing_ok=True)
+            self.stats.bytes_stored -= size
+            self.stats.evictions += 1
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.stats.bytes_stored -= size
+
+    def drop(self, key: str) -> None:
+        self._forget(key)
+        self._file(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Nothing to release: the files are the tier, for the next process."""
+
+    def disk_bytes(self) -> int:
+        """Bytes of the tier's files as the file system reports them (tests check the limit on this)."""
+        return sum(file.stat().st_size for file in self.path.glob("*/*") if file.is_file())
