@@ -81,7 +81,7 @@ def runs():
 
 @given(spec=specs, prompt=st.integers(16, 120))
 @settings(
-    max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_random_spec_keeps_its_bound_or_is_refused(model_and_tokenizer, runs, spec, prompt):
     model, tokenizer = model_and_tokenizer
