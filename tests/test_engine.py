@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from kvopt.engine import LLM, EngineConfig, RequestError, SamplingParams
+from kvopt.cache import attention
+from kvopt.engine import LLM, EngineConfig, RequestError, SamplingParams, model_runner
 from kvopt.engine.config import EngineConfigError, parse_memory
 from kvopt.engine.sampling_params import SamplingParamsError
 from tiny_models import VOCAB, tiny_model
@@ -268,6 +269,29 @@ def test_logprobs_equal_hf_within_1e5(arch, references):
             token = output.outputs[0].token_ids[step]
             expected = torch.log_softmax(logits[0].float(), dim=-1)[token].item()
             assert entry[token] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("pieces", [2, 4])
+def test_cpu_work_splits_keep_outputs(arch, pieces, monkeypatch, references):
+    """The two ways a CPU step divides its work give HF's tokens and log-probabilities: decode keys cut into
+    pieces (odd remainders go to the gathered tail, runs shorter than the pieces go there whole) and
+    MLPs run over slices of rows."""
+    monkeypatch.setattr(attention, "decode_pieces", lambda kv_heads: pieces)
+    monkeypatch.setattr(model_runner, "MLP_ROWS", 5)
+    model, prompts, expected = references(arch)
+    llm = engine(model)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    for prompt, output in zip(prompts[:3] + prompts[32:34], outputs[:3] + outputs[32:34]):
+        result = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        for step, (logits, entry) in enumerate(zip(result.logits, output.outputs[0].logprobs)):
+            token = output.outputs[0].token_ids[step]
+            assert entry[token] == pytest.approx(torch.log_softmax(logits[0].float(), dim=-1)[token].item(), abs=1e-5)
+    assert not any("forward" in vars(mlp) for mlp in llm.engine.runner.mlps)  # the slicing ends with the step
+    assert_pool_empty(llm)
 
 
 def test_half_precision_models_run(references):

@@ -238,6 +238,18 @@ def _kv_pieces(items: int, tokens: int) -> int:
     return best
 
 
+def decode_pieces(kv_heads: int) -> int:
+    """Pieces (a power of two) to cut each KV head's keys into so that ``kv_heads`` x pieces work
+    units spread most evenly over the threads (fewest pieces on a tie): 2 for 3 KV heads on 2 threads."""
+    threads = torch.get_num_threads()
+    best, pieces = 1, 2
+    while pieces <= MAX_KV_PIECES:
+        if _imbalance(kv_heads * pieces, threads) < _imbalance(kv_heads * best, threads) - 1e-9:
+            best = pieces
+        pieces *= 2
+    return best
+
+
 def _imbalance(units: int, threads: int) -> float:
     """Busiest thread's share of ``units`` equal work units over the even share (1.0 = even)."""
     return -(-units // threads) * threads / units

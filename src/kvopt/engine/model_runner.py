@@ -8,8 +8,13 @@ rows whose next token is sampled.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
 import torch
 
+from kvopt.cache import attention
 from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots, last_tokens, slots_of
 from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
 from kvopt.cache.paged_headwise import HeadwiseKV, HeadwiseStep
@@ -29,6 +34,10 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.pool = PagedKVPool(info, num_blocks, block_size, dtype, self.device)
         self.cache = PagedCache(self.pool, info)
+        self.num_kv_heads = info.num_kv_heads
+        self.mlp_rows = MLP_ROWS if self.device.type == "cpu" else None
+        decoder = model.get_decoder()
+        self.mlps = [layer.mlp for layer in decoder.layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
 
     # -- the swapper the scheduler uses in swap mode ------------------------------------------
     def swap_out(self, block_ids: list[int]) -> list[torch.Tensor]:
@@ -68,19 +77,41 @@ class ModelRunner:
             row += count
         slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device)
         rows = None if len(stored_rows) == row else torch.tensor(stored_rows, dtype=torch.long, device=device)
-        self.cache.batch = PagedBatch(slot_mapping, sequences, DecodeGroup.of(sequences, device), rows, compressed,
-                                      headwise)  # fmt: skip
+        decodes = DecodeGroup.of(sequences, device, attention.decode_pieces(self.num_kv_heads))
+        self.cache.batch = PagedBatch(slot_mapping, sequences, decodes, rows, compressed, headwise)
         try:
-            output = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            )
+            with self._mlps_in_row_slices(len(ids)):
+                output = self.model(
+                    input_ids=torch.tensor([ids], device=device),
+                    position_ids=torch.tensor([positions], device=device),
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=device),
+                )
         finally:
             self.cache.batch = None
         return output.logits[0].float()
+
+    @contextmanager
+    def _mlps_in_row_slices(self, tokens: int) -> Iterator[None]:
+        """Run every decoder layer's MLP over at most ``mlp_rows`` tokens at a time during this step.
+
+        A step holds up to ``max_num_batched_tokens`` tokens; on a CPU the MLP's activations for
+        4,096 of them (4 tensors of 25 MB at width 1,536) spill out of the caches, and the MLPs ran
+        ~25% slower than over 1,024-token slices (measured, 2 threads; prefill throughput +7%).
+        An MLP acts on each token alone, so slicing the rows changes where the work runs, not what
+        it computes. Only inside the engine's step: ``generate`` on the same model is untouched.
+        """
+        if self.mlp_rows is None or tokens <= self.mlp_rows:
+            yield
+            return
+        for mlp in self.mlps:
+            mlp.forward = partial(_in_row_slices, type(mlp).forward.__get__(mlp), self.mlp_rows)
+        try:
+            yield
+        finally:
+            for mlp in self.mlps:
+                del mlp.forward
 
     def _codes(self, seq: Sequence) -> CodedTokens | None:
         """Where a compressed sequence's quantized groups are, for attention (None when it has none)."""
@@ -100,3 +131,12 @@ class ModelRunner:
                 runs.append((block * size, stop))
         return runs
 
+
+
+#: Most tokens an MLP computes at once in an engine step on a CPU (see ``ModelRunner._mlps_in_row_slices``).
+MLP_ROWS = 1024
+
+
+def _in_row_slices(forward, rows: int, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward(hidden)`` computed over slices of at most ``rows`` tokens (the second-to-last axis)."""
+    return torch.cat([forward(part) for part in hidden.split(rows, dim=-2)], dim=-2)
