@@ -75,8 +75,12 @@ def install_prompt_guard(model: torch.nn.Module) -> None:
 
 
 def refuse_restarted_prompt(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook applying :func:`check_prompt_continues` to a kvopt cache passed as ``past_key_values``."""
-    cache = kwargs.get("past_key_values")
+    """Forward pre-hook applying :func:`check_prompt_continues` to a kvopt cache passed to the model.
+
+    transformers 5.24 renamed the forward argument ``past_key_values`` to ``cache`` (``generate`` passes
+    the new name); both are read so the guard holds on every supported version.
+    """
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     inputs = kwargs.get("input_ids")
     inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
     if isinstance(cache, KVCache) and inputs is not None:
