@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--model", default=None, help="a model name or folder; default: the embedded model")
     args = parser.parse_args()
 
     from kvopt.eval.contenders import parse_contender
@@ -38,7 +39,7 @@ def main() -> None:
     from kvopt.eval.tasks.text import real_text
     from kvopt.models import load_model
 
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(args.model)
     contender = parse_contender(args.spec)
     ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
     ids = (ids * (args.length // len(ids) + 1))[: args.length]

@@ -2,13 +2,16 @@
 
     make bench                      # installs the peers (kvpress, optimum-quanto), then runs this
     python benchmarks/run.py        # the same, in an environment that already has them
+    python benchmarks/run.py --model qwen2.5-coder-0.5b   # the second model's grid, its own part of the report
 
 Steps: load time (cold conversion vs warm), speed/memory bench (median of repeats, ratios to
 plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), then the report with plots into benchmarks/report/.
-Every step's rows are committed in benchmarks/results/.
+Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
+benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
+"What holds on both models" summary (benchmarks/both_models.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import both_models
 import codec
 import load
 import serving
@@ -34,10 +38,11 @@ import transformers
 
 from kvopt.eval.bench import run_bench
 from kvopt.eval.contenders import split_specs
-from kvopt.eval.report import keep_sections, write_report
+from kvopt.eval.report import PLACEHOLDERS, keep_sections, write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
 from kvopt.models import load_model
+from kvopt.models.loading import load_config, resolve_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TITLE = "# kvopt benchmarks"
@@ -66,6 +71,17 @@ MEMORY_CHECK = [
 ]
 #: Decode speed and peak process memory, one fresh process per run (benchmarks/decode_memory.py).
 DECODE_MEMORY = ["hf", "full", "kivi:bits=4", "hf-quanto:bits=4", "kivi:bits=2", "hf-quanto:bits=2"]
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
+ALL_STEPS = (
+    "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative"
+)
+SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed"
+#: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
+DEFAULT_LENGTHS, SECOND_MODEL_LENGTHS = "2048,4096", "4096,8192"
+#: The longest prompts (second model only): the lossless cache, the best query-agnostic method, SnapKV and KIVI.
+LONG_METHODS = ["full", "kvzip:ratio=0.75", "snapkv:ratio=0.75", "kivi:bits=4"]
 
 
 def eviction_methods() -> list[str]:
@@ -95,7 +111,10 @@ def load_times() -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Committed beside BENCHMARKS.md, so another machine can re-compose the report or resume a step.
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--model", default=None,
+                        help="a second model (e.g. qwen2.5-coder-0.5b): its own rows and part of the report")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="rows folder; default benchmarks/results (the default model) or benchmarks/results/<model>")
     parser.add_argument("--bench-lengths", default="512,2048")
     parser.add_argument("--bench-methods", default="full,window:size=512")
     parser.add_argument("--speed-length", type=int, default=4096)
@@ -103,7 +122,8 @@ def main() -> None:
     parser.add_argument("--speed-repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--lengths", default=None, help=f"default {DEFAULT_LENGTHS} ({SECOND_MODEL_LENGTHS} with --model)")
+    parser.add_argument("--long-lengths", default="16384", help="the long step's lengths (--model only)")
     parser.add_argument("--tasks", default="passkey,niah,niah_multivalue")
     parser.add_argument("--depths", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2)
@@ -119,14 +139,18 @@ def main() -> None:
     parser.add_argument("--memory-methods", default=",".join(DECODE_MEMORY))
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
-        "--steps",
-        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative",
-        help="comma-separated subset of the default (or none: compose BENCHMARKS.md from the committed rows)",
+        "--steps", default=None,
+        help=f"comma-separated subset of the default ({ALL_STEPS}; with --model {SECOND_MODEL_STEPS}), "
+        "or none: compose BENCHMARKS.md from the committed rows",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = with_model_defaults(parser.parse_args())
+    second = args.model is not None
     steps = set(args.steps.split(","))
+    if second and steps - set(SECOND_MODEL_STEPS.split(",")) - {"none"}:
+        parser.error(f"--model runs the model-dependent steps only: {SECOND_MODEL_STEPS}")
 
-    loaded = load_model()
+    loaded = load_model(args.model)
+    model_label = args.model or DEFAULT_MODEL
 
     def finished(label: str, start: float) -> None:  # saved at once, merged with other runs' steps
         save_timings(args.results, {label: time.perf_counter() - start})
@@ -134,6 +158,10 @@ def main() -> None:
     if "load" in steps:
         cold, warm = load_times()
         save_timings(args.results, {"load cold s": cold, "load warm s": warm})
+    if "lossless" in steps:
+        start = time.perf_counter()
+        lossless_check(loaded, _ints(args.lengths), args.new_tokens, args.results)
+        finished("lossless check", start)
     if "bench" in steps:  # lossless speed and bytes vs plain HF at short and medium lengths
         start = time.perf_counter()
         run_bench(
@@ -145,21 +173,22 @@ def main() -> None:
         start = time.perf_counter()
         run_bench(
             [args.speed_length], split_specs(args.speed_methods), args.results, args.new_tokens, args.speed_repeats,
-            loaded=loaded,
+            model_name=args.model, loaded=loaded,
         )  # fmt: skip
         finished("speed per method", start)
-    for mode, step, tasks, methods, samples in (
-        (QUERY_AGNOSTIC, "agnostic", args.tasks, agnostic_methods(), args.samples),
-        (QUERY_AGNOSTIC, "retention", args.retention_tasks, RETENTION, args.retention_samples),
-        (QUERY_AWARE, "aware", args.tasks, aware_methods(), args.aware_samples),
+    for mode, step, tasks, lengths, methods, samples in (
+        (QUERY_AGNOSTIC, "agnostic", args.tasks, args.lengths, agnostic_methods(), args.samples),
+        (QUERY_AGNOSTIC, "long", args.tasks, args.long_lengths, LONG_METHODS, args.samples),
+        (QUERY_AGNOSTIC, "retention", args.retention_tasks, args.lengths, RETENTION, args.retention_samples),
+        (QUERY_AWARE, "aware", args.tasks, args.lengths, aware_methods(), args.aware_samples),
     ):
         if step in steps:
             start = time.perf_counter()
             grid = EvalGrid(
-                tasks=tasks.split(","), lengths=_ints(args.lengths), methods=methods, depths=args.depths,
+                tasks=tasks.split(","), lengths=_ints(lengths), methods=methods, depths=args.depths,
                 samples=samples, modes=[mode],
             )  # fmt: skip
-            run_eval(grid, args.results, loaded=loaded)
+            run_eval(grid, args.results, model_name=model_label, loaded=loaded)
             finished(f"accuracy grid ({step})", start)
     for step, label, methods, tokens in (
         ("ppl", "perplexity", args.ppl_methods, args.ppl_tokens),
@@ -170,7 +199,7 @@ def main() -> None:
             ppl = EvalGrid(
                 tasks=["ppl"], lengths=[], methods=split_specs(methods), ppl_tokens=tokens, ppl_chunk=args.ppl_chunk
             )
-            run_eval(ppl, args.results, loaded=loaded)
+            run_eval(ppl, args.results, model_name=model_label, loaded=loaded)
             finished(label, start)
     if "check" in steps:
         start = time.perf_counter()
@@ -180,7 +209,7 @@ def main() -> None:
         start = time.perf_counter()
         decode_memory(
             _ints(args.memory_lengths), split_specs(args.memory_methods), args.memory_repeats, args.new_tokens,
-            args.results,
+            args.results, args.model,
         )  # fmt: skip
         finished("decode speed and memory", start)
     if "engine" in steps:  # its own rows and timings (benchmarks/results/serving.jsonl)
@@ -193,7 +222,55 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
-    compose(args, load_timings(args.results))
+    if second:
+        (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
+    compose(with_model_defaults(parser.parse_args([])) if second else args)
+
+
+def with_model_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options whose defaults depend on ``--model`` (rows folder, lengths, steps)."""
+    second = args.model is not None
+    args.results = args.results or (RESULTS / model_folder(args.model) if second else RESULTS)
+    args.lengths = args.lengths or (SECOND_MODEL_LENGTHS if second else DEFAULT_LENGTHS)
+    args.steps = args.steps or (SECOND_MODEL_STEPS if second else ALL_STEPS)
+    return args
+
+
+def model_folder(name: str) -> str:
+    """The rows folder name of a second model: its name, or a local folder's or file's name."""
+    return Path(name).name.removesuffix(".gguf")
+
+
+@torch.inference_mode()
+def lossless_check(loaded, lengths: list[int], new_tokens: int, results: Path) -> None:
+    """kvopt's `full` next to HF's DynamicCache on real text: greedy tokens and the largest logit difference.
+
+    Each prompt is prefilled and decoded greedily by both (HF's tokens fed to both, so the logits
+    compare position by position even if a choice flips); rows in ``lossless.jsonl``.
+    """
+    from kvopt.eval.contenders import parse_contender
+    from kvopt.eval.decoding import forward
+    from kvopt.eval.tasks.text import real_text
+
+    model, tokenizer = loaded
+    ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
+    rows = []
+    for length in lengths:
+        prompt = (ids * (length // len(ids) + 1))[:length]
+        logits = {}
+        for spec in ("hf", "full"):
+            contender = parse_contender(spec)
+            cache = contender.new_cache(model)
+            steps = [forward(model, prompt, cache, 0)]
+            for index in range(new_tokens - 1):
+                token = int(logits["hf"][index].argmax()) if "hf" in logits else int(steps[-1].argmax())
+                steps.append(forward(model, [token], cache, length + index))
+            logits[spec] = torch.stack(steps).float()
+        rows.append({"length": length, "new_tokens": new_tokens,
+                     "same_tokens": bool(torch.equal(logits["hf"].argmax(-1), logits["full"].argmax(-1))),
+                     "max_abs_logit_diff": float((logits["hf"] - logits["full"]).abs().max())})  # fmt: skip
+        print(rows[-1])
+    (results / both_models.LOSSLESS).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 CHECK_FILE = "memory_check.jsonl"
@@ -272,7 +349,9 @@ MEMORY_FILE = "decode_memory.jsonl"
 RESULT_FILES = ("eval.jsonl", "bench.jsonl", CHECK_FILE, MEMORY_FILE)
 
 
-def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path) -> None:
+def decode_memory(
+    lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path, model: str | None = None
+) -> None:
     """One fresh process per (length, method, repeat), methods interleaved within each repeat."""
     rows = []
     results.mkdir(parents=True, exist_ok=True)
@@ -281,6 +360,7 @@ def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens
             for spec in specs:
                 command = [sys.executable, str(ROOT / "benchmarks" / "decode_memory.py"), "--spec", spec,
                            "--length", str(length), "--new-tokens", str(new_tokens)]  # fmt: skip
+                command += ["--model", model] if model else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode:
                     print(f"decode_memory {spec} @ {length} failed:\n{done.stderr[-2000:]}")
@@ -291,7 +371,7 @@ def decode_memory(lengths: list[int], specs: list[str], repeats: int, new_tokens
     (results / MEMORY_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def memory_section(results: Path) -> list[str]:
+def memory_section(results: Path, model: str | None = None) -> list[str]:
     """Decode speed, KV bytes and peak process memory per (length, method), vs HF's QuantizedCache."""
     path = results / MEMORY_FILE
     if not path.exists():
@@ -300,7 +380,7 @@ def memory_section(results: Path) -> list[str]:
     from kvopt.models.info import ModelInfo
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    info = ModelInfo.from_config(load_model()[0].config)
+    info = ModelInfo.from_config(load_config(resolve_model_dir(model)))
     grouped: dict[tuple[int, str], list[dict]] = {}
     for row in rows:
         grouped.setdefault((row["length"], row["method"]), []).append(row)
@@ -358,24 +438,29 @@ def save_timings(results: Path, timings: dict[str, float]) -> None:
     (results / "timings.json").write_text(json.dumps(merged, indent=1))
 
 
-def compose(args, timings: dict[str, float]) -> None:
+def compose(args) -> None:
     """BENCHMARKS.md = set-up and load times + the report, with plot links pointing into benchmarks/report/.
 
-    When the results folder lacks some results (a step re-run alone, on a machine without the
-    earlier results), the sections it has no results for are kept from the previous BENCHMARKS.md,
-    marked as such, with their step timings; a complete folder rewrites the whole file.
+    ``args`` are the default model's settings (its grid is described with them). After the default
+    model's sections: "What holds on both models" at the top, and a part per second model found in
+    benchmarks/results/<model>/. When the results folder lacks some results (a step re-run alone, on
+    a machine without the earlier results), the sections it has no results for are kept from the
+    previous BENCHMARKS.md, marked as such, with their step timings; a complete folder rewrites the
+    whole file.
     """
     report_dir = ROOT / "benchmarks" / "report"
     target = ROOT / "BENCHMARKS.md"
     previous = target.read_text() if target.exists() else ""
     previous_header, _, previous_body = previous.partition(f"\n{TITLE}\n")
-    previous_report = f"{TITLE}\n{previous_body}"
-    report = write_report(args.results, report_dir, title=TITLE.removeprefix("# ")).read_text()
-    report = report.replace(f"{ROOT}/", "")
-    report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
-    (report_dir / "REPORT.md").unlink()
+    # The summary is always recomputed from every model's rows, so never kept from the previous report.
+    previous_report = re.sub(rf"^{SUMMARY}\n.*?(?=^## |\Z)", "", f"{TITLE}\n{previous_body}", flags=re.S | re.M)
+    timings = load_timings(args.results)
+    report = model_report(args.results, report_dir, TITLE.removeprefix("# "))
+    seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
+    for name, folder in seconds:
+        extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)
@@ -385,11 +470,16 @@ def compose(args, timings: dict[str, float]) -> None:
     if kept and (not eval_rows.exists() or not eval_rows.read_text().strip()):
         # The report's summary lines describe the eval results; here those are the kept ones.
         body = previous_report.split("\n## ")[0] + body[body.index("\n## ") :]
+    summary = both_models.section([(DEFAULT_MODEL, args.results), *seconds])
+    first_section = body.index("\n## ")
+    body = body[:first_section] + "\n" + "\n".join(summary) + body[first_section:]
     header = [
         "<!-- Generated by `make bench` (benchmarks/run.py); do not edit by hand. -->",
         "",
         f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}. "
-        "Model: SmolLM2-135M-Instruct (embedded default, fp32). Peers run in the same process, on the same prompts.",
+        f"Model: {DEFAULT_MODEL} (embedded default, fp32)"
+        + "".join(f"; second model: {name} (its own part below)" for name, _ in seconds)
+        + ". Peers run in the same process, on the same prompts.",
         "",
         "| step | wall time |",
         "|---|---:|",
@@ -419,10 +509,69 @@ def compose(args, timings: dict[str, float]) -> None:
         "",
     ]
     target.write_text("\n".join(header) + body)
-    for plot in report_dir.glob("*.png"):  # plots of sections neither regenerated nor kept
-        if plot.name not in body:
+    for plot in report_dir.rglob("*.png"):  # plots of sections neither regenerated nor kept
+        if str(plot.relative_to(ROOT)) not in body:
             plot.unlink()
     print(target.read_text())
+
+
+def model_report(results: Path, report_dir: Path, title: str) -> str:
+    """The evaluation report of one rows folder, its plot links relative to the repository root."""
+    report = write_report(results, report_dir, title=title).read_text()
+    (report_dir / "REPORT.md").unlink()
+    report = report.replace(f"{ROOT}/", "")
+    return re.sub(r"\]\((?!https?:)([^)]+\.png)\)", rf"]({report_dir.relative_to(ROOT)}/\1)", report)
+
+
+MODEL_FILE = "model.json"
+SUMMARY = both_models.SUMMARY
+
+
+def second_models() -> list[tuple[str, Path]]:
+    """(model name, rows folder) of every second model with rows under benchmarks/results/."""
+    folders = sorted(path.parent for path in RESULTS.glob(f"*/{MODEL_FILE}"))
+    return [(json.loads((folder / MODEL_FILE).read_text())["model"], folder) for folder in folders]
+
+
+def second_model_part(name: str, folder: Path, report_dir: Path) -> list[str]:
+    """A second model's sections under one heading (``## Second model: ...``), each one level down."""
+    report = model_report(folder, report_dir / folder.name, name)
+    sections = [*report[report.index("\n## ") + 1 :].splitlines(), "", *check_section(folder),
+                *memory_section(folder, name)]  # fmt: skip
+    # Sections this folder has no rows for (a placeholder line) are left out rather than shown empty.
+    parts = re.split(r"^(?=## )", "\n".join(sections), flags=re.M)
+    sections = "".join(part for part in parts if not any(text in part for text in PLACEHOLDERS)).splitlines()
+    timings = load_timings(folder)
+    lines = [
+        f"## Second model: {name}",
+        "",
+        "The default model's grid on a larger model (" + describe_rows(folder) + "); commands: "
+        f"`python benchmarks/run.py --model {name}` (steps resumable: rows in `{folder.relative_to(ROOT)}/`).",
+        "",
+    ]
+    if timings:
+        lines += ["| step | wall time |", "|---|---:|", *(f"| {step} | {sec / 60:.1f} min |" for step, sec in timings.items()), ""]
+    return lines + [f"#{line}" if line.startswith("#") else line for line in sections] + [""]
+
+
+def describe_rows(folder: Path) -> str:
+    """Tasks, lengths and samples per task and length of a folder's query-agnostic and query-aware rows."""
+    scored = [row for row in both_models.rows(folder, both_models.EVAL) if row.get("score") is not None]
+    parts = []
+    for mode in ("query_agnostic", "query_aware"):
+        in_mode = [row for row in scored if row["mode"] == mode]
+        if not in_mode:
+            continue
+        cells: dict[tuple, set] = {}
+        for row in in_mode:
+            cells.setdefault((row["method"], row["task"], row["length"]), set()).add((row["depth"], row["sample"]))
+        counts = [len(samples) for samples in cells.values()]
+        tasks = sorted({row["task"] for row in in_mode})
+        lengths = sorted({row["length"] for row in in_mode})
+        samples = str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+        parts.append(f"{mode}: {', '.join(tasks)} at {', '.join(map(str, lengths))} tokens, "
+                     f"{samples} samples per method, task and length")  # fmt: skip
+    return "; ".join(parts) or "no scored rows yet"
 
 
 def committed_section(step) -> list[str]:

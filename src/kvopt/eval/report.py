@@ -239,31 +239,53 @@ def _prompt_key(row: Row) -> tuple:
     return tuple(row.get(k) for k in ("mode", "task", "length", "depth", "sample", "seed"))
 
 
-def _retention_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
-    """Each method against the reference on the prompts both answered, so unequal sample sets never mix.
+@dataclass(frozen=True)
+class Retention:
+    """A method's answers next to the reference's on the prompts both ran.
 
     ``kept`` is the share of the reference's correct answers the method also gets (sum of
     min(method, reference) over the reference's sum), with a 95% Wilson interval over the
     reference's successes: the figure a "keeps X% of full's accuracy" claim needs.
     """
+
+    prompts: int
+    accuracy: float
+    reference_accuracy: float
+    kept: float
+    low: float
+    high: float
+
+    def cell(self) -> str:
+        return f"{self.kept:.0%} [{self.low * 100:.0f}–{self.high * 100:.0f}]"
+
+
+def retention(rows: list[Row], reference: list[Row]) -> Retention | None:
+    """``rows`` (one method's) against ``reference``'s, paired by prompt; None when the reference solved none."""
+    reference_scores = {_prompt_key(r): float(r["score"]) for r in reference}
+    pairs = [(float(r["score"]), reference_scores[k]) for r in rows if (k := _prompt_key(r)) in reference_scores]
+    solved = sum(ref for _, ref in pairs)
+    if not solved:
+        return None
+    kept = sum(min(mine, ref) for mine, ref in pairs)
+    low, high = wilson_interval(kept, round(solved))
+    accuracy = sum(mine for mine, _ in pairs) / len(pairs)
+    return Retention(len(pairs), accuracy, solved / len(pairs), kept / solved, low, high)
+
+
+def _retention_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
+    """Each method against the reference on the prompts both answered, so unequal sample sets never mix."""
     by_spec = _group(rows, _spec)
     reference = _baseline(by_spec, methods)
     if reference is None:
         return []
-    reference_scores = {_prompt_key(r): float(r["score"]) for r in by_spec[reference]}
     body = []
     for info in _ordered({s: methods[s] for s in by_spec if s != reference}):
-        pairs = [(float(r["score"]), reference_scores[k]) for r in by_spec[info.spec]
-                 if (k := _prompt_key(r)) in reference_scores]  # fmt: skip
-        solved = sum(ref for _, ref in pairs)
-        if not solved:
+        kept = retention(by_spec[info.spec], by_spec[reference])
+        if kept is None:
             continue
-        kept = sum(min(mine, ref) for mine, ref in pairs)
-        low, high = wilson_interval(kept, round(solved))
-        accuracy = sum(mine for mine, _ in pairs) / len(pairs)
         body.append([
-            f"`{info.spec}`", info.family, info.ratio_text(), str(len(pairs)),
-            f"{accuracy:.0%} vs {solved / len(pairs):.0%}", f"{kept / solved:.0%} [{low * 100:.0f}–{high * 100:.0f}]",
+            f"`{info.spec}`", info.family, info.ratio_text(), str(kept.prompts),
+            f"{kept.accuracy:.0%} vs {kept.reference_accuracy:.0%}", kept.cell(),
         ])  # fmt: skip
     header = ["method", "family", "ratio", "prompts", f"accuracy vs `{reference}`", f"kept of `{reference}`'s answers"]
     return _table(header, body)

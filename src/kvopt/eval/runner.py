@@ -170,19 +170,24 @@ def run_eval(
 
 
 def _jobs(grid: EvalGrid, contenders: list[Contender], label: str, tasks: dict):
-    for task in grid.tasks:
-        if task == PPL_TASK:
-            for contender in contenders:
-                if contender.family != "kvpress":  # presses act at prefill only
-                    yield {"row": _row(PPL_TASK, grid.ppl_tokens, None, 0, "streaming", contender, grid, label), "contender": contender}
-            continue
-        depths = depth_values(grid.depths) if tasks[task].uses_depth else [None]
-        for length in grid.lengths:
-            for depth in depths:
-                for index in range(grid.samples):
-                    for mode in grid.modes:
-                        for contender in contenders:
-                            yield {"row": _row(task, length, depth, index, mode, contender, grid, label), "contender": contender}
+    """Perplexity first, then prompts sample by sample: every (task, length, depth) gets its sample 0 before
+    any gets its sample 1, so a grid stopped part-way (hours on a CPU) leaves every cell with nearly the
+    same number of samples, each prompt's contenders side by side (one shared prefill)."""
+    for contender in contenders if PPL_TASK in grid.tasks else []:
+        if contender.family != "kvpress":  # presses act at prefill only
+            yield {"row": _row(PPL_TASK, grid.ppl_tokens, None, 0, "streaming", contender, grid, label), "contender": contender}
+    cells = [
+        (task, length, depth)
+        for task in grid.tasks
+        if task != PPL_TASK
+        for length in grid.lengths
+        for depth in (depth_values(grid.depths) if tasks[task].uses_depth else [None])
+    ]
+    for index in range(grid.samples):
+        for task, length, depth in cells:
+            for mode in grid.modes:
+                for contender in contenders:
+                    yield {"row": _row(task, length, depth, index, mode, contender, grid, label), "contender": contender}
 
 
 def _row(task, length, depth, index, mode, contender: Contender, grid: EvalGrid, label: str) -> dict:

@@ -1,0 +1,73 @@
+"""The cross-model summary of BENCHMARKS.md (benchmarks/both_models.py) on synthetic rows of two models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import both_models  # noqa: E402
+
+from kvopt.eval.contenders import parse_contender  # noqa: E402
+from kvopt.eval.runner import EvalGrid, _jobs  # noqa: E402
+from kvopt.eval.tasks import TASKS  # noqa: E402
+
+
+def task_row(method: str, sample: int, score: float, length: int = 4096) -> dict:
+    return {"task": "passkey", "length": length, "depth": 0.5, "sample": sample, "seed": 0, "mode": "query_agnostic",
+            "method": method, "score": score}  # fmt: skip
+
+
+def write(folder: Path, name: str, rows: list[dict]) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.fixture
+def two_models(tmp_path):
+    """Model A: kvzip keeps all of full's answers, the presses half; model B: the opposite. B lacks byte checks."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, kvzip, press in ((a, 1.0, 0.5), (b, 0.0, 1.0)):
+        rows = []
+        for sample in range(20):
+            rows += [task_row("full", sample, 1.0), task_row("kvzip:ratio=0.75", sample, kvzip)]
+            rows += [task_row("kvpress:tova:ratio=0.75", sample, float(sample % 2 == 0) if press == 0.5 else 1.0)]
+            rows += [task_row("kvpress:snapkv:ratio=0.75", sample, 0.0)]
+        write(folder, both_models.EVAL, rows)
+    write(a, both_models.LOSSLESS, [{"length": 4096, "same_tokens": True, "max_abs_logit_diff": 2e-6}])
+    write(b, both_models.LOSSLESS, [{"length": 4096, "same_tokens": False, "max_abs_logit_diff": 0.3}])
+    write(a, both_models.CHECK, [{"method": "adakv:ratio=0.75", "measured": 260, "theoretical": 255, "full": 1000},
+                                 {"method": "kvpress:adakv-snapkv:ratio=0.75", "measured": 1000, "theoretical": 250,
+                                  "full": 1000}])  # fmt: skip
+    return [("A", a), ("B", b)]
+
+
+def test_each_headline_is_judged_per_model_from_its_rows(two_models):
+    lines = both_models.section(two_models)
+    table = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    kvzip = table["kvzip keeps more of full's answers than the best kvpress press at 75% removed (query-agnostic)"]
+    assert "holds: kvzip 100%" in kvzip and "best press `tova` 50%" in kvzip and "(intervals apart)" in kvzip
+    assert "does not hold: kvzip 0%" in kvzip and kvzip.endswith("| A only |")
+    lossless = table["`full` is lossless: the same greedy tokens and logits as HF's DynamicCache"]
+    assert "holds: 1/1 prompts same tokens" in lossless and "does not hold: 0/1" in lossless
+    adakv = table["Ada-KV's per-head budgets really free memory (bytes held = its budget)"]
+    assert "holds: adakv holds 0.26 of full's bytes, kvpress's AdaKV 1.00 (it masks)" in adakv
+    assert adakv.endswith("| not measured | A only |")
+    assert table["... and at 90% removed"].endswith("| not measured | not measured | – |")
+
+
+def test_one_model_gives_no_summary(two_models):
+    assert both_models.section(two_models[:1]) == []
+
+
+def test_grid_runs_sample_by_sample_so_a_partial_run_is_balanced():
+    grid = EvalGrid(tasks=["passkey", "niah"], lengths=[512, 1024], methods=["full"], depths=2, samples=3)
+    rows = [job["row"] for job in _jobs(grid, [parse_contender("full")], "tiny", TASKS)]
+    assert [row["sample"] for row in rows] == sorted(row["sample"] for row in rows)
+    first_third = rows[: len(rows) // 3]
+    assert {(r["task"], r["length"], r["depth"]) for r in first_third} == {
+        (r["task"], r["length"], r["depth"]) for r in rows
+    }  # every cell has its first sample before any has a second
