@@ -189,6 +189,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load.py")], check=True)
     if "codec" in steps:  # bytes per token and perplexity gap per cache encoding (benchmarks/results/codec.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py")], check=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--accuracy"], check=True)
     if "tiers" in steps:  # a seen prefix from RAM / CPU / disk / Redis (benchmarks/results/tiers.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
@@ -375,7 +376,7 @@ def compose(args, timings: dict[str, float]) -> None:
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *committed_section(tiers), *committed_section(speculative)]  # fmt: skip
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)

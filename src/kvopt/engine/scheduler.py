@@ -11,7 +11,9 @@ uncached block another sequence computes in this very step waits a step and then
 the prefix cache (requests sharing a system prompt that arrive together compute it once).
 A compressed sequence (:mod:`kvopt.cache.paged_compressed`) computes its prompt in one pass, so
 that its methods see the whole prompt as in ``generate`` (one such prompt per step may exceed the
-token budget), and gets blocks only for what its methods keep.
+token budget), and gets blocks only for what its methods keep; one whose prompt's state is found in
+the KV tiers gets blocks for that state and computes nothing (its first token is sampled from the
+stored logits).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    #: Compressed prompts admitted with their state from the KV tiers, with their stored logits ``[vocab]``.
+    restored: list[tuple[Sequence, object]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -135,35 +139,60 @@ class Scheduler:
             seq = self.waiting[0]
             if occupied and occupied + seq.width > self.config.max_num_seqs:
                 break  # (a request wider than max_num_seqs runs alone)
-            compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
-            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
-            cached = manager.cached_prefix(seq, hashes)
-            if self.offload is not None and len(cached) < len(hashes):
-                cached += self.offload.restore(seq, hashes, len(cached))
-            if len(cached) < len(hashes) and hashes[len(cached)] in computing:
-                break  # cached after this step: admitted next step, computing only what is its own
-            uncomputed = len(seq) - len(cached) * manager.block_size
-            if compressed and uncomputed > budget and admitted:
-                break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
-            num_tokens = uncomputed if compressed else min(uncomputed, budget)
-            # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
-            # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
-            # gets blocks for what its methods keep (its own tokens never reach its slots).
-            slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
-            if not manager.allocate_slots(seq, slots, cached):
-                break
-            if not seq.prefix_looked_up:
-                seq.prefix_looked_up = True
-                seq.num_cached_tokens = len(cached) * manager.block_size
-                manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            if self._stored_state(seq) is not None:
+                if not self._install_state(seq):
+                    break
+                batch.restored.append((seq, seq.prompt_state.logits))
+                seq.prompt_state = None
+            else:
+                compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
+                hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
+                cached = manager.cached_prefix(seq, hashes)
+                if self.offload is not None and len(cached) < len(hashes):
+                    cached += self.offload.restore(seq, hashes, len(cached))
+                if len(cached) < len(hashes) and hashes[len(cached)] in computing:
+                    break  # cached after this step: admitted next step, computing only what is its own
+                uncomputed = len(seq) - len(cached) * manager.block_size
+                if compressed and uncomputed > budget and admitted:
+                    break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
+                num_tokens = uncomputed if compressed else min(uncomputed, budget)
+                # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
+                # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
+                # gets blocks for what its methods keep (its own tokens never reach its slots).
+                slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
+                if not manager.allocate_slots(seq, slots, cached):
+                    break
+                if not seq.prefix_looked_up:
+                    seq.prefix_looked_up = True
+                    seq.num_cached_tokens = len(cached) * manager.block_size
+                    manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+                batch.add(seq, num_tokens)
+                budget -= num_tokens
+                computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             occupied += seq.width
             admitted = True
-            batch.add(seq, num_tokens)
-            budget -= num_tokens
-            computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
+
+    def _stored_state(self, seq: Sequence):
+        """A compressed prompt's state from the KV tiers (looked up once, at its first admission), or None."""
+        if seq.kv is not None and self.offload is not None and not seq.prefix_looked_up:
+            seq.prefix_looked_up = True
+            seq.prompt_state = self.offload.restore_state(seq)
+            seq.num_cached_tokens = seq.num_prompt_tokens if seq.prompt_state is not None else 0
+            self.block_manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+        return seq.prompt_state
+
+    def _install_state(self, seq: Sequence) -> bool:
+        """Blocks for a stored prompt state, and the state written into them (False, changing nothing, when too
+        few blocks are free); the whole prompt then counts as computed."""
+        manager = self.block_manager
+        if not manager.allocate_slots(seq, seq.kv.state_blocks(seq.prompt_state) * manager.block_size):
+            return False
+        seq.block_table, seq.code_table = seq.kv.install(seq.prompt_state, self.offload.pool, seq.block_table)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        return True
 
     def _swap_in(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
