@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "tiers.jsonl"
 sys.path.insert(0, str(ROOT / "tests"))
-METHODS = ("full", "kivi:bits=4")
+METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75+kivi:bits=4")
 CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention): compare ratios, not absolute times"
 
 
@@ -59,7 +59,9 @@ def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     prompt, fillers = prompts(tokenizer, args.prefix_tokens, args.question_tokens, args.fillers)
-    rows = []
+    rows, references = [], {}
+    ROWS.parent.mkdir(parents=True, exist_ok=True)
+    ROWS.write_text("")
     server = RedisServer()
 
     def engine(method: str, tiers: tuple[str, ...]):
@@ -86,10 +88,12 @@ def run(args) -> list[dict]:
                     for name, tiers in (("disk (engine restarted)", (disk,)), ("redis (another replica)", (redis,))):
                         with engine(method, tiers) as fresh:
                             mine.append(measure(name, fresh, prompt, repeat, method, args))
-                    rows += [row | {"entry_bytes": entry_bytes} for row in mine]
-        for row in rows:
-            reference = next(r["tokens"] for r in rows if r["case"] == "cold" and r["method"] == row["method"])
-            row["same_tokens"] = row.pop("tokens") == reference
+                    for row in mine:  # appended as they come: an interrupted run keeps its rows
+                        reference = references.setdefault(method, row["tokens"])  # the first cold run's
+                        row |= {"entry_bytes": entry_bytes, "same_tokens": row.pop("tokens") == reference}
+                        with ROWS.open("a") as sink:
+                            sink.write(json.dumps(row) + "\n")
+                    rows += mine
     finally:
         server.stop()
     return rows
@@ -154,10 +158,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: full and compressed specs")
     args = parser.parse_args()
-    rows = run(args)
-    ROWS.parent.mkdir(parents=True, exist_ok=True)
-    ROWS.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(render(rows))
+    print(render(run(args)))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
+from kvopt.cache.paged_compressed import PromptState
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
 from kvopt.engine.offload import KVOffload
@@ -43,7 +46,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     #: Compressed prompts admitted with their state from the KV tiers, with their stored logits ``[vocab]``.
-    restored: list[tuple[Sequence, object]] = field(default_factory=list)
+    restored: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -139,43 +142,42 @@ class Scheduler:
             seq = self.waiting[0]
             if occupied and occupied + seq.width > self.config.max_num_seqs:
                 break  # (a request wider than max_num_seqs runs alone)
-            if self._stored_state(seq) is not None:
-                if not self._install_state(seq):
+            if self._stored_state(seq) is not None:  # a compressed prompt seen before: nothing to compute
+                if not self._admit_state(seq, batch):
                     break
-                batch.restored.append((seq, seq.prompt_state.logits))
-                seq.prompt_state = None
-            else:
-                compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
-                hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
-                cached = manager.cached_prefix(seq, hashes)
-                if self.offload is not None and len(cached) < len(hashes):
-                    cached += self.offload.restore(seq, hashes, len(cached))
-                if len(cached) < len(hashes) and hashes[len(cached)] in computing:
-                    break  # cached after this step: admitted next step, computing only what is its own
-                uncomputed = len(seq) - len(cached) * manager.block_size
-                if compressed and uncomputed > budget and admitted:
-                    break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
-                num_tokens = uncomputed if compressed else min(uncomputed, budget)
-                # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
-                # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
-                # gets blocks for what its methods keep (its own tokens never reach its slots).
-                slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
-                if not manager.allocate_slots(seq, slots, cached):
-                    break
-                if not seq.prefix_looked_up:
-                    seq.prefix_looked_up = True
-                    seq.num_cached_tokens = len(cached) * manager.block_size
-                    manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
-                batch.add(seq, num_tokens)
-                budget -= num_tokens
-                computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
+                occupied += seq.width
+                continue
+            compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
+            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
+            cached = manager.cached_prefix(seq, hashes)
+            if self.offload is not None and len(cached) < len(hashes):
+                cached += self.offload.restore(seq, hashes, len(cached))
+            if len(cached) < len(hashes) and hashes[len(cached)] in computing:
+                break  # cached after this step: admitted next step, computing only what is its own
+            uncomputed = len(seq) - len(cached) * manager.block_size
+            if compressed and uncomputed > budget and admitted:
+                break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
+            num_tokens = uncomputed if compressed else min(uncomputed, budget)
+            # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
+            # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
+            # gets blocks for what its methods keep (its own tokens never reach its slots).
+            slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
+            if not manager.allocate_slots(seq, slots, cached):
+                break
+            if not seq.prefix_looked_up:
+                seq.prefix_looked_up = True
+                seq.num_cached_tokens = len(cached) * manager.block_size
+                manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             occupied += seq.width
             admitted = True
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+            computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
 
-    def _stored_state(self, seq: Sequence):
+    def _stored_state(self, seq: Sequence) -> PromptState | None:
         """A compressed prompt's state from the KV tiers (looked up once, at its first admission), or None."""
         if seq.kv is not None and self.offload is not None and not seq.prefix_looked_up:
             seq.prefix_looked_up = True
@@ -184,14 +186,20 @@ class Scheduler:
             self.block_manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
         return seq.prompt_state
 
-    def _install_state(self, seq: Sequence) -> bool:
-        """Blocks for a stored prompt state, and the state written into them (False, changing nothing, when too
-        few blocks are free); the whole prompt then counts as computed."""
-        manager = self.block_manager
-        if not manager.allocate_slots(seq, seq.kv.state_blocks(seq.prompt_state) * manager.block_size):
+    def _admit_state(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Admit ``seq`` with its stored prompt state written into blocks of its own (False, changing nothing,
+        when too few blocks are free): the whole prompt counts as computed, its first token is sampled from the
+        stored logits in this step."""
+        manager, state = self.block_manager, seq.prompt_state
+        if not manager.allocate_slots(seq, seq.kv.state_blocks(state) * manager.block_size):
             return False
-        seq.block_table, seq.code_table = seq.kv.install(seq.prompt_state, self.offload.pool, seq.block_table)
+        seq.block_table, seq.code_table = seq.kv.install(state, self.offload.pool, seq.block_table)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.prompt_state = None
+        batch.restored.append((seq, state.logits))
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
         return True
 
     def _swap_in(self) -> None:
