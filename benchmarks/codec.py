@@ -2,6 +2,7 @@
 
     python benchmarks/codec.py                      # ~5 min on 2 shared cores; rows replace the old ones
     python benchmarks/codec.py --methods full       # one method
+    python benchmarks/codec.py --accuracy           # passkey / niah answered from saved caches (resumable)
 
 A ~2,000-token prompt of real local text (:func:`kvopt.eval.tasks.text.real_text`) is prefilled
 once per method (``full``, ``snapkv:ratio=0.75``, ``kivi:bits=4``); the cache is encoded with
@@ -13,6 +14,13 @@ the same file holding its floating keys/values in fp16 (the model runs fp32 on t
 ``raw`` holds 4 bytes per element). Encode/decode times are medians of ``--repeats``, the
 encodings interleaved, on one thread. Rows go to benchmarks/results/codec.jsonl; :func:`render`
 writes the BENCHMARKS.md section.
+
+``--accuracy`` runs the eval harness (:func:`kvopt.eval.runner.run_eval`) on passkey and niah
+at 2,048 tokens: each prompt's context is prefilled once (shared by every contender), saved with
+each encoding, loaded, and then the question is answered from the loaded cache (contenders
+``saved:<encoding>:full``, next to ``full`` never saved). Per-sample rows go to
+``benchmarks/results/codec_accuracy/eval.jsonl`` (resumable), their summary into the same rows file
+(``kind: accuracy``), which the other runs keep.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ ROWS = ROOT / "benchmarks" / "results" / "codec.jsonl"
 METHODS = ("full", "snapkv:ratio=0.75", "kivi:bits=4")
 ENCODINGS = ("raw", "int8", "int4", "cachegen")
 CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention): compare ratios, not absolute speeds"
+ACCURACY = ROOT / "benchmarks" / "results" / "codec_accuracy"
+ACCURACY_TASKS = ("passkey", "niah")
 
 
 def float_kv_elements(cache, model) -> int:
@@ -120,8 +130,35 @@ def run(methods: list[str], prompt_tokens: int, held_out: int, chunk: int, repea
     return rows
 
 
+def accuracy(length: int, samples: int) -> list[dict]:
+    """Summary rows of passkey / niah answered from caches saved and loaded with each encoding (eval harness)."""
+    from kvopt.eval.runner import EvalGrid, run_eval
+
+    torch.set_num_threads(1)
+    methods = ["full", *(f"saved:{encoding}:full" for encoding in ENCODINGS)]
+    grid = EvalGrid(tasks=list(ACCURACY_TASKS), lengths=[length], methods=methods, depths=1, samples=samples)
+    path = run_eval(grid, ACCURACY, progress=False)
+    done = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for task in ACCURACY_TASKS:
+        for method in methods:
+            group = [row for row in done if (row["task"], row["method"], row["length"]) == (task, method, length)]
+            rows.append({
+                "kind": "accuracy", "task": task, "length": length, "method": method,
+                "encoding": method.split(":")[1] if method.startswith("saved:") else "never saved",
+                "samples": len(group), "score": statistics.fmean(row["score"] for row in group),
+                "correct": sum(row["score"] == 1.0 for row in group), "model": group[0]["model"],
+                "conditions": "1 torch thread; one shared lossless prefill per prompt, saved and loaded per encoding",
+                "date": time.strftime("%Y-%m-%d"),
+            })  # fmt: skip
+            print(json.dumps({k: rows[-1][k] for k in ("task", "method", "samples", "score")}), flush=True)
+    return rows
+
+
 def render(rows: list[dict]) -> str:
-    """The BENCHMARKS.md section for the rows of :data:`ROWS`."""
+    """The BENCHMARKS.md section for the rows of :data:`ROWS` (sizes and perplexity; accuracy when measured)."""
+    scores = [row for row in rows if row.get("kind") == "accuracy"]
+    rows = [row for row in rows if row.get("kind") != "accuracy"]
     if not rows:
         return ""
     first = rows[0]
@@ -152,7 +189,32 @@ def render(rows: list[dict]) -> str:
         f"full-precision tokens and the entropy coder change its size. Key tensors for which cachegen kept token "
         f"deltas: {', '.join(chained)} (they compressed worse than the plain codes on this model's post-RoPE keys).",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + render_accuracy(scores)) + "\n"
+
+
+def render_accuracy(rows: list[dict]) -> list[str]:
+    """The accuracy table: one row per encoding, a column per task (mean score, samples)."""
+    if not rows:
+        return []
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    cell = {(row["task"], row["method"]): row for row in rows}
+    lines = [
+        "",
+        f"Accuracy after a save and a load ({rows[0]['model']}, {rows[0]['length']:,}-token prompts, "
+        f"`python benchmarks/codec.py --accuracy`, measured {rows[0]['date']}): the context is prefilled once, saved "
+        "with the encoding, loaded, then the question is asked and answered greedily (the eval harness, "
+        "query-agnostic; per-sample rows in `benchmarks/results/codec_accuracy/eval.jsonl`). Score: mean of the "
+        "tasks' scores (1 = the needle's value recalled).",
+        "",
+        "| encoding | " + " | ".join(tasks) + " |",
+        "|---|" + "---:|" * len(tasks),
+    ]
+    for method in methods:
+        scores = [cell[(task, method)] for task in tasks]
+        lines.append(f"| {scores[0]['encoding']} (`{method}`) | "
+                     + " | ".join(f"{row['score']:.2f} ({row['correct']}/{row['samples']})" for row in scores) + " |")
+    return lines
 
 
 def main() -> None:
@@ -162,12 +224,19 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=513, help="tokens scored after the prompt (+1)")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per forward while scoring")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--accuracy", action="store_true", help="passkey / niah from saved caches instead")
+    parser.add_argument("--samples", type=int, default=8, help="samples per task (--accuracy)")
     parser.add_argument("--out", type=Path, default=ROWS)
     args = parser.parse_args()
-    rows = run(args.methods.split(","), args.prompt_tokens, args.held_out, args.chunk, args.repeats)
+    kept = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    if args.accuracy:  # replaces the accuracy rows, keeps the others (and the other way round)
+        kept = [row for row in kept if row.get("kind") != "accuracy"] + accuracy(args.prompt_tokens, args.samples)
+    else:
+        rows = run(args.methods.split(","), args.prompt_tokens, args.held_out, args.chunk, args.repeats)
+        kept = rows + [row for row in kept if row.get("kind") == "accuracy"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(render(rows))
+    args.out.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    print(render(kept))
 
 
 if __name__ == "__main__":

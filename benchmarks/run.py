@@ -218,6 +218,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load.py")], check=True)
     if "codec" in steps:  # bytes per token and perplexity gap per cache encoding (benchmarks/results/codec.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py")], check=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--accuracy"], check=True)
     if "tiers" in steps:  # a seen prefix from RAM / CPU / disk / Redis (benchmarks/results/tiers.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
@@ -458,7 +459,7 @@ def compose(args) -> None:
     report = model_report(args.results, report_dir, TITLE.removeprefix("# "))
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *committed_section(tiers), *committed_section(speculative)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []

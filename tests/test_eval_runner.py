@@ -39,6 +39,33 @@ def test_full_and_hf_decode_the_same_tokens(tiny_with_tokenizer):
     assert window.compression > 0.6
 
 
+def test_saved_contenders_answer_from_a_cache_that_went_through_the_codec(tiny_with_tokenizer):
+    """``saved:<encoding>:<spec>``: prefill, save, load, then the question; raw gives exactly the unsaved tokens,
+    int4 answers from really re-quantized keys (close to the saved ones, not equal)."""
+    import torch
+
+    from kvopt.eval.decoding import forward
+
+    model, _ = tiny_with_tokenizer
+    context, question = list(range(100, 300)), list(range(400, 420))
+    saved = parse_contender("saved:int4:snapkv:ratio=0.5")
+    assert (saved.spec, saved.family, saved.ratio) == ("saved:int4:snapkv:ratio=0.5", "kvopt", 0.5)
+    plain = run_prompt(model, parse_contender("snapkv:ratio=0.5"), context, question, 8, QUERY_AGNOSTIC, set())
+    raw = run_prompt(model, parse_contender("saved:raw:snapkv:ratio=0.5"), context, question, 8, QUERY_AGNOSTIC, set())
+    assert raw.token_ids == plain.token_ids
+    assert len(run_prompt(model, saved, context, question, 8, QUERY_AGNOSTIC, set()).token_ids) == 8
+    cache = saved.new_cache(model)
+    with torch.inference_mode():
+        forward(model, context, cache, 0)
+    before = cache.layers[1].store.keys.clone()
+    after = saved.reloaded(model, cache).layers[1].store.keys
+    assert before.shape == after.shape and not torch.equal(before, after)
+    assert (after - before).norm() < 0.1 * before.norm()
+    for spec, match in (("saved:zip:full", "encoding"), ("saved:int4:hf", "only kvopt caches"), ("saved:int4", "encoding")):
+        with pytest.raises(MethodParameterError, match=match):
+            parse_contender(spec)
+
+
 def test_eval_grid_is_resumable(tiny_with_tokenizer, tmp_path):
     grid = EvalGrid(
         tasks=["passkey"], lengths=[300], methods=["full", "window:ratio=0.5", "hf"], depths=2,

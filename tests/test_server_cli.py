@@ -47,24 +47,36 @@ def test_a_model_that_fails_to_load_stops_the_server_with_one_line(tmp_path, mon
     assert code == 2 and stderr.splitlines()[-1].startswith("error: model path") and "Traceback" not in stderr
 
 
+def start_server(model_folder, *options: str) -> tuple[subprocess.Popen, str]:
+    """``kvopt serve`` on ``model_folder`` (an HF folder) as a process, one torch thread; ``(process, url)``."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvopt.cli.main", "serve", "--model", str(model_folder), "--port", str(port),
+               "--kv-memory", "8MB", "--served-model-name", "tiny", "--no-access-log", "--threads", "1", *options]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on a shared CI machine, as conftest does
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(process: subprocess.Popen, url: str, seconds: float = 180) -> None:
+    """Until ``/health`` answers 200 (the model loaded); fails with the server's output if it exits."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not become ready in {seconds} s")
+
+
 def test_sigterm_finishes_open_streams_and_refuses_new_requests(tiny_with_tokenizer, tmp_path):
     for part in tiny_with_tokenizer:  # the tiny llama and the real tokenizer as an HF folder
         part.save_pretrained(tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kvopt.cli.main", "serve", "--model", str(tmp_path), "--port", str(port),
-               "--kv-memory", "8MB", "--served-model-name", "tiny", "--no-access-log", "--threads", "1"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on a shared CI machine, as conftest does
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process, url = start_server(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_ready(process, url)
         started, events = threading.Event(), []
 
         def stream() -> None:

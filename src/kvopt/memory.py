@@ -4,8 +4,9 @@ Per layer and sequence a full cache holds ``2 (K and V) x kv_heads x head_dim x 
 token; a sliding-window layer holds at most ``window - 1`` past tokens plus the current one.
 Methods shrink the token count through :meth:`Method.kept_tokens` and change the bytes per
 token through :meth:`Method.layer_bytes` (quantization: codes, scales, zero-points and the
-positions of quantized tokens, plus the full-precision residual). These are theoretical sizes;
-``KVCache.nbytes()`` measures what a live cache really holds.
+positions of quantized tokens, plus the full-precision residual); tokens an eviction kept at full
+precision carry their int32 position per KV head (unless only the oldest were dropped, which keeps
+a run). These are theoretical sizes; ``KVCache.nbytes()`` measures what a live cache really holds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from kvopt.errors import KVOptError
 from kvopt.methods import Method
 from kvopt.methods.base import LayerContext
+from kvopt.methods.quantization import position_bytes
+from kvopt.methods.spec import evicts
 from kvopt.models.info import ModelInfo
 
 
@@ -61,13 +64,15 @@ def estimate(
         tokens.append(kept)
         layer = kept * per_layer_token_bytes
         if window is None:  # sliding layers stay in full precision
+            selected = kept < seq_len and any(evicts(m) and not m.evicts_oldest_only for m in methods or [])
+            layer += position_bytes(kept, info.num_kv_heads) if selected else 0
             for position, method in enumerate(methods or []):
                 earlier = (methods or [])[:position]
                 per_head = any(m.selects_per_head for m in earlier)
                 evicted = any(m.kept_tokens(seq_len) < seq_len for m in earlier)
                 context = LayerContext(index, tuple(methods or []), per_head, evicted)
                 stored = method.layer_bytes(kept, info, dtype_bytes(dtype or info.dtype), context)
-                layer = stored if stored is not None else layer
+                layer = stored if stored is not None else layer  # (a method's own size includes its positions)
         total += layer * batch
     return MemoryEstimate(seq_len, batch, bytes_per_token(info, dtype), tuple(tokens), total)
 

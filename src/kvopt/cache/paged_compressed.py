@@ -187,6 +187,29 @@ class Layout:
 
 
 @dataclass
+class PromptState:
+    """A compressed sequence right after its prompt's one-pass prefill, out of the pool (what a KV tier keeps).
+
+    Its methods chose what to keep with the whole prompt in view (and kivi's groups of a prefix would
+    be read by the rest of the prompt where a one-pass prefill reads full precision), so a part of it
+    serves no other prompt: it is kept whole, with the last position's logits, and serves the same
+    prompt again exactly, first token included.
+    """
+
+    stored: int
+    groups: int
+    #: Per layer: the kept full-precision keys and values ``[kv_heads, stored, head_dim]``.
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    #: Per layer: the quantized groups' key and value records ``[kv_heads, groups, record bytes]`` (uint8).
+    key_records: list[torch.Tensor]
+    value_records: list[torch.Tensor]
+    memos: list[LayerMemo]
+    #: fp32 logits of the prompt's last position ``[vocab]``: the first output token is sampled from them.
+    logits: torch.Tensor
+
+
+@dataclass
 class CompressedStep:
     """One compressed sequence in the step (part of the per-step context)."""
 
@@ -244,6 +267,64 @@ class CompressedKV:
     def _code_blocks(self, groups: int) -> int:
         """Blocks ``groups`` quantized groups take (a spec without a quantizer has none)."""
         return self.code_format.blocks_for(groups) if groups else 0
+
+    # -- a prompt's state to and from a KV tier ---------------------------------------------------
+    def snapshot(self, pool, block_table: list[int], code_table: list[int], logits: torch.Tensor) -> PromptState:
+        """This sequence's state, copied out of the pool (right after its prefill); the memos are the live ones."""
+        slots = pool.block_slots(block_table)[: self.stored]
+        fmt, key_records, value_records = self.code_format, [], []
+        if self.groups:
+            block, record = fmt.locate(code_table, 0, self.groups, slots.device)
+            key_records = [fmt.records(k, fmt.key_fields)[:, block, record] for k in pool.keys]
+            value_records = [fmt.records(v, fmt.value_fields)[:, block, record] for v in pool.values]
+        keys, values = [k[:, slots] for k in pool.keys], [v[:, slots] for v in pool.values]
+        return PromptState(self.stored, self.groups, keys, values, key_records, value_records, self.memos, logits)
+
+    def state_blocks(self, state: PromptState) -> int:
+        """Blocks :meth:`install` needs for ``state``."""
+        return -(-state.stored // self.block_size) + self._code_blocks(state.groups)
+
+    def check_state(self, state: PromptState, pool) -> None:
+        """Raise ValueError unless ``state`` fits this sequence's layers, heads and code format (a decoded
+        tier entry is installed only after this)."""
+        if not isinstance(state, PromptState) or state.stored < 0 or state.groups < 0:
+            raise ValueError("not a prompt state")
+        heads, dim, dtype, fmt = pool.keys[0].shape[0], pool.keys[0].shape[-1], pool.keys[0].dtype, self.code_format
+        if {len(state.keys), len(state.values), len(state.memos)} != {self.num_layers}:
+            raise ValueError(f"{len(state.keys)} layers, the model has {self.num_layers}")
+        if any(t.shape != (heads, state.stored, dim) or t.dtype != dtype for t in (*state.keys, *state.values)):
+            raise ValueError("keys or values of another shape or dtype")
+        if state.groups and fmt is None:
+            raise ValueError("quantized groups for a spec without a quantizer")
+        for records, fields in ((state.key_records, fmt and fmt.key_fields), (state.value_records, fmt and fmt.value_fields)):
+            layers = self.num_layers if state.groups else 0
+            shape = (heads, state.groups, _record_bytes(fields)) if fields else None
+            if len(records) != layers or any(t.shape != shape or t.dtype != torch.uint8 for t in records):
+                raise ValueError("quantized groups of another layout")
+        for memo in state.memos:
+            per_token = [memo.positions] if memo.positions is not None else []
+            if not isinstance(memo, LayerMemo) or any(t.shape[-1] != state.stored for t in [*per_token, *memo.extras.values()]):
+                raise ValueError("method state of another length")
+        if state.logits.dim() != 1:
+            raise ValueError("logits of another shape")
+
+    def install(self, state: PromptState, pool, block_table: list[int]) -> tuple[list[int], list[int]]:
+        """Write a checked ``state`` into ``block_table`` (:meth:`state_blocks` blocks); returns the sequence's
+        ``(block table, code table)``."""
+        fp_blocks = -(-state.stored // self.block_size)
+        table, codes = block_table[:fp_blocks], block_table[fp_blocks:]
+        slots = pool.block_slots(table)[: state.stored]
+        for index in range(self.num_layers):
+            pool.keys[index].index_copy_(1, slots, state.keys[index].to(pool.keys[index].device))
+            pool.values[index].index_copy_(1, slots, state.values[index].to(pool.values[index].device))
+        if state.groups:
+            fmt = self.code_format
+            where = fmt.locate(codes, 0, state.groups, slots.device)
+            for index in range(self.num_layers):
+                fmt.records(pool.keys[index], fmt.key_fields)[:, where[0], where[1]] = state.key_records[index]
+                fmt.records(pool.values[index], fmt.value_fields)[:, where[0], where[1]] = state.value_records[index]
+        self.memos, self.stored, self.groups = state.memos, state.stored, state.groups
+        return table, codes
 
     # -- one layer of one step ------------------------------------------------------------------
     def after_attention(self, index, module, pool, step: CompressedStep, query, keys, values, scaling) -> None:

@@ -99,7 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.info, num_blocks, config.block_size)
         self.offload = None
         if config.kv_tiers:
-            self.offload = KVOffload.from_specs(config.kv_tiers, self.runner.pool, self.block_manager,
+            self.offload = KVOffload.from_specs(config.kv_tiers, model, self.runner.pool, self.block_manager,
                                                 self.fingerprint, config.kv_tier_encoding)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload)
         self.requests: dict[str, Request] = {}
@@ -142,7 +142,7 @@ class LLMEngine:
         request.seqs.append(seq)
         self._add_detokenizer(request, seq)
         self.scheduler.add(seq)
-        if self.offload is not None and kv is None:
+        if self.offload is not None:
             self.offload.prefetch(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -231,8 +231,29 @@ class LLMEngine:
         """Run one forward pass; outputs (cumulative so far) of every request it advanced or ended."""
         outputs, self._failed = self._failed, []
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if not batch.seqs and not batch.restored:
             return outputs
+        sampled = self._compute(batch) if batch.seqs else []
+        for seq, logits in batch.restored:  # compressed prompts found in the KV tiers: their stored logits
+            sampled.append((seq, logits[None], sampler.sample(logits[None], [seq], self.generator)[0]))
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for seq, logits, token in sampled:
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            if self.offload is not None and seq.kv is not None and seq.num_output_tokens == 0:
+                self.offload.save_state(seq, logits[0])  # its prompt's one-pass prefill just ended
+            if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
+                self._fork(request, seq, logits)
+            self._append(request, seq, token, logits, now)
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                self._finish_request(request)
+        return outputs
+
+    def _compute(self, batch) -> list[tuple[Sequence, torch.Tensor, int]]:
+        """The batch's forward pass: ``(sequence, its logits [1, vocab], sampled token)`` of those that sample."""
         started = time.perf_counter()
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         logits = self.runner.run(batch, copies)
@@ -246,20 +267,8 @@ class LLMEngine:
                 layout = seq.kv.commit()
                 seq.block_table, seq.code_table = layout.block_table, layout.code_table
                 self.block_manager.release(layout.freed)
-        now = time.perf_counter()
-        self.stats.busy_seconds += now - started
-        touched: dict[str, Request] = {}
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            request = self.requests[seq.request_id]
-            touched[request.request_id] = request
-            if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
-                self._fork(request, seq, logits[row : row + 1])
-            self._append(request, seq, token, logits[row : row + 1], now)
-        for request in touched.values():
-            outputs.append(self._output(request))
-            if request.finished:
-                self._finish_request(request)
-        return outputs
+        self.stats.busy_seconds += time.perf_counter() - started
+        return list(zip(sampling, logits.split(1), tokens))
 
     def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> None:
         """Parallel sampling: ``n - 1`` siblings share the prompt's blocks and draw their own first token."""

@@ -9,20 +9,35 @@ whose root is salted with the model fingerprint (configuration + sampled weights
 the KV method, plus the codec: stable across processes and machines (no per-process hash seed),
 so an engine restarted on the same disk, or a replica on the same Redis, finds them.
 
+A compressed sequence (``kv_method=...``) has no prefix blocks to share: its methods chose what to
+keep with the whole prompt in view. Right after its prompt's one-pass prefill its whole state
+(kept tokens, quantized groups, the methods' per-layer state) and the last position's logits go
+to the tiers as one entry, keyed by the fingerprint, the method spec and every prompt token; the
+same prompt again (a retried request, another replica, a restarted engine) installs it into free
+blocks and samples its first token from the stored logits, skipping the prefill: the same tokens
+as computing it, since the state is the one the prefill made, stored exactly.
+
 A damaged entry, or one from another model, fails to decode: it is dropped from every tier and
-its tokens are computed. A request arriving with a prompt starts a prefetch of its blocks from
-the slower tiers into the first one, overlapping their transfer with the steps before admission.
+its tokens are computed. A request arriving with a prompt starts a prefetch of its blocks (or its
+state) from the slower tiers into the first one, overlapping their transfer with the steps before
+admission.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
 import torch
 
 from kvopt.cache.paged import PagedKVPool
-from kvopt.codec.blocks import decode_block, encode_block
+from kvopt.cache.paged_compressed import CompressedKV, PromptState
+from kvopt.codec.blocks import decode_block, decode_state, encode_block, encode_state, snapshot_state
 from kvopt.codec.encodings import ENCODINGS
 from kvopt.codec.errors import CacheFileError
 from kvopt.engine.block_manager import BlockManager
@@ -33,6 +48,9 @@ from kvopt.tiers import DiskTier, KVTier, MemoryTier, RedisTier, TierChain
 #: Keys of blocks this process wrote or restored, remembered so they are not written again (bounded).
 REMEMBERED = 1 << 17
 DEFAULT_DISK = "10GB"
+#: What decoding a damaged, foreign or mismatched entry raises (it is then dropped, never served).
+DAMAGED = (CacheFileError, KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError)
+T = TypeVar("T")
 
 
 def tier_spec(spec: str) -> tuple[str, str, int | None]:
@@ -65,26 +83,38 @@ def open_tier(spec: str) -> KVTier:
 
 
 class KVOffload:
-    def __init__(self, chain: TierChain, pool: PagedKVPool, manager: BlockManager, fingerprint: dict,
+    def __init__(self, chain: TierChain, model, pool: PagedKVPool, manager: BlockManager, fingerprint: dict,
                  encoding: str = "raw") -> None:  # fmt: skip
         if encoding not in ENCODINGS:
             raise EngineConfigError(f"kv_tier_encoding={encoding!r}; use one of {ENCODINGS}")
-        self.chain, self.pool, self.manager = chain, pool, manager
+        self.chain, self.model, self.pool, self.manager = chain, model, pool, manager
         self.fingerprint, self.encoding = fingerprint, encoding
+        self._salt = json.dumps(fingerprint, sort_keys=True)
+        self._modules = {id(module): name for name, module in model.named_modules()}
         self._known: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
-    def from_specs(cls, specs, pool, manager, fingerprint, encoding) -> KVOffload:
-        return cls(TierChain([open_tier(spec) for spec in specs]), pool, manager, fingerprint, encoding)
+    def from_specs(cls, specs, model, pool, manager, fingerprint, encoding) -> KVOffload:
+        return cls(TierChain([open_tier(spec) for spec in specs]), model, pool, manager, fingerprint, encoding)
 
     def key(self, digest: bytes) -> str:
         return f"{self.encoding}-{digest.hex()}"
 
+    def state_key(self, seq: Sequence) -> str:
+        """Key of a compressed sequence's state after its prompt: fingerprint, method spec, every prompt token."""
+        digest = hashlib.blake2b(f"{self._salt}|{_spec(seq)}".encode(), digest_size=16)
+        digest.update(np.asarray(seq.token_ids[: seq.num_prompt_tokens], dtype=np.int64).tobytes())
+        return f"state-{digest.hexdigest()}"
+
     # -- lookups ------------------------------------------------------------------------------
     def prefetch(self, seq: Sequence) -> None:
-        """Start bringing ``seq``'s prompt blocks into the first tier (when slower tiers stand behind it)."""
-        if len(self.chain.tiers) > 1:
+        """Start bringing ``seq``'s prompt blocks (or state) into the first tier (when slower tiers stand behind it)."""
+        if len(self.chain.tiers) == 1:
+            return
+        if seq.kv is None:
             self.chain.prefetch([self.key(digest) for digest in self.manager.prompt_hashes(seq)])
+        elif isinstance(seq.kv, CompressedKV):
+            self.chain.prefetch([self.state_key(seq)])
 
     def restore(self, seq: Sequence, hashes: list[bytes], start: int) -> list[int]:
         """Blocks for ``hashes[start:]`` found in the tiers, in order until the first miss, decoded into free
@@ -94,7 +124,7 @@ class KVOffload:
             if len(restored) >= self.manager.num_free_blocks:
                 break  # one more would reuse a block restored just now
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            layers = self._load(hashes[index], tokens)
+            layers = self._fetch(self.key(hashes[index]), lambda data, source: _block(data, self.fingerprint, tokens, source))
             if layers is None:
                 break
             block_id = self.manager.restore_block(hashes[index], tokens)
@@ -102,22 +132,36 @@ class KVOffload:
             restored.append(block_id)
         return restored
 
-    def _load(self, digest: bytes, tokens: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        key = self.key(digest)
+    def restore_state(self, seq: Sequence) -> PromptState | None:
+        """A compressed sequence's state after its prompt, from the tiers (checked against its spec, prompt and
+        layout; not yet in the pool), or None."""
+        if not isinstance(seq.kv, CompressedKV):
+            return None  # head-wise budgets (pyramidkv, adakv) keep no state in the tiers
+
+        def decode(data: bytes, source: str) -> PromptState:
+            state, meta = decode_state(data, self.fingerprint, self.model, source)
+            if meta.get("spec") != _spec(seq) or meta.get("tokens") != seq.token_ids[: seq.num_prompt_tokens]:
+                raise ValueError(f"{source} holds another prompt or method")
+            seq.kv.check_state(state, self.pool)
+            return state
+
+        return self._fetch(self.state_key(seq), decode)
+
+    def _fetch(self, key: str, decode: Callable[[bytes, str], T]) -> T | None:
+        """The entry under ``key`` decoded by ``decode``, which raises on anything wrong: a damaged entry, one
+        from another model or for other tokens is dropped from every tier (counted), never served."""
         found = self.chain.get(key)
         if found is None:
             return None
         data, tier = found
         try:
-            layers, meta = decode_block(data, self.fingerprint, source=f"{tier.name} tier entry {key}")
-        except (CacheFileError, KeyError, ValueError, RuntimeError):
-            layers, meta = None, None
-        if layers is None or tuple(meta.get("tokens", ())) != tokens:
+            value = decode(data, f"{tier.name} tier entry {key}")
+        except DAMAGED:
             tier.stats.corrupt += 1
             self.chain.drop(key)  # never served again
             return None
         self._remember(key)
-        return layers
+        return value
 
     # -- writes -------------------------------------------------------------------------------
     def save(self, seq: Sequence) -> None:
@@ -136,6 +180,20 @@ class KVOffload:
             meta = {"tokens": list(block.token_ids)}
             self.chain.put_later(key, lambda layers=layers, meta=meta: encode_block(layers, self.fingerprint,
                                                                                    self.encoding, meta))  # fmt: skip
+
+    def save_state(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Queue a compressed sequence's state right after its prompt's prefill, with the ``logits [vocab]`` its
+        first token is sampled from."""
+        if not isinstance(seq.kv, CompressedKV):
+            return
+        key = self.state_key(seq)
+        if key in self._known:
+            return
+        self._remember(key)
+        state = seq.kv.snapshot(self.pool, seq.block_table, seq.code_table, logits)
+        snapshot = snapshot_state(state, self._modules)  # copies now: the sequence goes on changing its state
+        meta = {"spec": _spec(seq), "tokens": seq.token_ids[: seq.num_prompt_tokens]}
+        self.chain.put_later(key, lambda: encode_state(snapshot, self.fingerprint, meta))
 
     def _remember(self, key: str) -> None:
         self._known[key] = None
@@ -160,3 +218,15 @@ class KVOffload:
     def close(self) -> None:
         """Finish the queued writes (so a restarted engine finds them) and release the tiers."""
         self.chain.close()
+
+
+def _spec(seq: Sequence) -> str:
+    """The canonical spec of a compressed sequence's methods (what its state depends on)."""
+    return "+".join(method.spec() for method in seq.kv.methods)
+
+
+def _block(data: bytes, fingerprint: dict, tokens: tuple[int, ...], source: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers, meta = decode_block(data, fingerprint, source=source)
+    if tuple(meta.get("tokens", ())) != tokens:
+        raise ValueError(f"{source} holds other tokens")
+    return layers

@@ -11,7 +11,9 @@ uncached block another sequence computes in this very step waits a step and then
 the prefix cache (requests sharing a system prompt that arrive together compute it once).
 A compressed sequence (:mod:`kvopt.cache.paged_compressed`) computes its prompt in one pass, so
 that its methods see the whole prompt as in ``generate`` (one such prompt per step may exceed the
-token budget), and gets blocks only for what its methods keep.
+token budget), and gets blocks only for what its methods keep; one whose prompt's state is found in
+the KV tiers gets blocks for that state and computes nothing (its first token is sampled from the
+stored logits).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
+from kvopt.cache.paged_compressed import PromptState
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
 from kvopt.engine.offload import KVOffload
@@ -40,6 +45,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    #: Compressed prompts admitted with their state from the KV tiers, with their stored logits ``[vocab]``.
+    restored: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -135,6 +142,11 @@ class Scheduler:
             seq = self.waiting[0]
             if occupied and occupied + seq.width > self.config.max_num_seqs:
                 break  # (a request wider than max_num_seqs runs alone)
+            if self._stored_state(seq) is not None:  # a compressed prompt seen before: nothing to compute
+                if not self._admit_state(seq, batch):
+                    break
+                occupied += seq.width
+                continue
             compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
             hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
             cached = manager.cached_prefix(seq, hashes)
@@ -164,6 +176,31 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
+
+    def _stored_state(self, seq: Sequence) -> PromptState | None:
+        """A compressed prompt's state from the KV tiers (looked up once, at its first admission), or None."""
+        if seq.kv is not None and self.offload is not None and not seq.prefix_looked_up:
+            seq.prefix_looked_up = True
+            seq.prompt_state = self.offload.restore_state(seq)
+            seq.num_cached_tokens = seq.num_prompt_tokens if seq.prompt_state is not None else 0
+            self.block_manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+        return seq.prompt_state
+
+    def _admit_state(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Admit ``seq`` with its stored prompt state written into blocks of its own (False, changing nothing,
+        when too few blocks are free): the whole prompt counts as computed, its first token is sampled from the
+        stored logits in this step."""
+        manager, state = self.block_manager, seq.prompt_state
+        if not manager.allocate_slots(seq, seq.kv.state_blocks(state) * manager.block_size):
+            return False
+        seq.block_table, seq.code_table = seq.kv.install(state, self.offload.pool, seq.block_table)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.prompt_state = None
+        batch.restored.append((seq, state.logits))
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _swap_in(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:

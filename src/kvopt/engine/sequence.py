@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvopt.cache.paged_compressed import CompressedKV
+from kvopt.cache.paged_compressed import CompressedKV, PromptState
 from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine.sampling_params import SamplingParams
 
@@ -48,6 +48,8 @@ class Sequence:
     kv: CompressedKV | HeadwiseKV | None = None
     #: A compressed sequence's blocks of quantized groups.
     code_table: list[int] = field(default_factory=list)
+    #: A compressed prompt's state found in the KV tiers, until it is installed at admission.
+    prompt_state: PromptState | None = None
     finish_reason: str | None = None
     #: Per-request random stream (``SamplingParams.seed``), shared by the request's completions.
     generator: torch.Generator | None = None

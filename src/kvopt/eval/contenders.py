@@ -8,7 +8,10 @@ Spec strings:
 - ``hf``: plain transformers ``DynamicCache`` with SDPA attention;
 - ``hf-quanto:bits=4`` / ``hf-hqq:bits=4``: transformers ``QuantizedCache`` (needs optimum-quanto / hqq);
 - ``kvpress:<press>:ratio=R``: an NVIDIA kvpress press (``pip install -e .[compare]``), e.g.
-  ``kvpress:snapkv:ratio=0.5``; ``kvpress:adakv-snapkv:ratio=0.5`` wraps SnapKV in AdaKV.
+  ``kvpress:snapkv:ratio=0.5``; ``kvpress:adakv-snapkv:ratio=0.5`` wraps SnapKV in AdaKV;
+- ``saved:<encoding>:<kvopt spec>``: the kvopt cache saved with a :mod:`kvopt.codec` encoding after
+  the prefill and loaded back before the question (a stored session), e.g. ``saved:cachegen:full``:
+  the accuracy a lossy codec costs.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Contender:
         from kvopt.api import build_cache
 
         if self.family == "kvopt":
-            return build_cache(self.spec, model)
+            return build_cache(self.options.get("cache", self.spec), model)
         model.set_attn_implementation("sdpa")
         if self.spec.startswith("hf-"):
             from transformers import QuantizedCache
@@ -80,6 +83,16 @@ class Contender:
         """kvopt methods that act with the prompt's ids in hand (KVzip) do so here."""
         if self.family == "kvopt" and cache.needs_prefill_pass:
             cache.after_prefill(model, torch.as_tensor([list(ids)], device=model.device), tokenizer=tokenizer)
+
+    def reloaded(self, model, cache):
+        """The cache after the prefill as the rest of the prompt sees it: saved and loaded back through the codec
+        for a ``saved:`` contender (encoded lossily as its encoding says), else the cache itself."""
+        encoding = self.options.get("encoding")
+        if encoding is None:
+            return cache
+        from kvopt.codec import cache_bytes, cache_from_bytes
+
+        return cache_from_bytes(cache_bytes(cache, model, encoding), model)[0]
 
     def _press(self):
         import kvpress
@@ -142,6 +155,20 @@ def parse_contender(spec: str) -> Contender:
         if not 0 < ratio < 1:
             raise MethodParameterError(f"{spec}: ratio={ratio} is outside (0, 1); it is the fraction of tokens removed")
         return Contender(spec, "kvpress", f"kvpress:{press}", ratio, {"press": press})
+    if spec.startswith("saved:"):
+        from kvopt.codec import ENCODINGS
+
+        _, _, rest = spec.partition(":")
+        encoding, _, inner = rest.partition(":")
+        if encoding not in ENCODINGS or not inner:
+            raise MethodParameterError(f"{spec}: write saved:<encoding>:<kvopt spec> with an encoding of "
+                                       f"{', '.join(ENCODINGS)}, e.g. saved:int4:full")  # fmt: skip
+        cached = parse_contender(inner)
+        if cached.family != "kvopt":
+            raise MethodParameterError(f"{spec}: only kvopt caches are saved by the codec; name a kvopt spec after the encoding")
+        options = {"encoding": encoding, "cache": cached.spec}
+        return Contender(f"saved:{encoding}:{cached.spec}", "kvopt", f"saved:{encoding}:{cached.method_name}", cached.ratio,
+                         options)  # fmt: skip
     from kvopt.methods import parse
 
     methods = parse(spec)

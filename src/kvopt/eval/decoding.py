@@ -103,6 +103,7 @@ def run_prompt(
         with contender.compressing(model):
             logits = forward(model, prompt, cache, 0)
     contender.after_prefill(model, cache, prompt, tokenizer)
+    cache = contender.reloaded(model, cache)
     if mode == QUERY_AGNOSTIC:
         if contender.family == "kvpress":
             # Presses with per-layer budgets (PyramidKV) leave layers of different lengths, and HF

@@ -78,6 +78,9 @@ class Method:
 
     #: True when the method keeps a different token set per KV head (so positions are per head).
     selects_per_head: ClassVar[bool] = False
+    #: True when eviction only ever drops the oldest tokens, so the kept ones stay a run of positions held as
+    #: its first; any other eviction keeps an int32 position per token and KV head (``kvopt memory`` counts them).
+    evicts_oldest_only: ClassVar[bool] = False
     #: True when the serving engine's paged blocks can hold what the method keeps (``kvopt.LLM`` serves
     #: it): tokens at full precision or in one quantized format, layer by layer (no ranking across
     #: layers), and attention reads the keys as stored.

@@ -28,6 +28,7 @@ class Window(Method):
     summary = "sliding window: keep the most recent tokens, evict the oldest"
     budget_convention = "size = tokens kept, or ratio = fraction of the prefill removed"
     runs_in_engine = True
+    evicts_oldest_only = True
 
     size: int = field(default=1024, metadata={"help": "tokens kept per sequence and layer"})
     ratio: float | None = field(default=None, metadata={"help": "fraction of prefill tokens removed (overrides size)"})

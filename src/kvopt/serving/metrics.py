@@ -70,11 +70,11 @@ class EngineCollector:
 
 #: Per-tier statistic -> (help text, counter?), exported as ``kvopt:kv_tier_<stat>`` with a ``tier`` label.
 TIER_STATS = {
-    "hits": ("KV blocks found in the tier.", True),
-    "misses": ("KV blocks looked up and not found in the tier.", True),
-    "stores": ("KV blocks written to the tier.", True),
-    "evictions": ("KV blocks the tier removed to stay within its size limit.", True),
-    "corrupt": ("KV blocks found damaged or from another model in the tier, dropped (never served).", True),
+    "hits": ("KV entries (blocks, or compressed prompts' states) found in the tier.", True),
+    "misses": ("KV entries looked up and not found in the tier.", True),
+    "stores": ("KV entries written to the tier.", True),
+    "evictions": ("KV entries the tier removed to stay within its size limit.", True),
+    "corrupt": ("KV entries found damaged, from another model or for other tokens in the tier, dropped (never served).", True),
     "errors": ("Failed tier operations (disk full, Redis down): the engine computed instead.", True),
     "bytes_stored": ("Bytes the tier holds (Redis: the server's used_memory).", False),
     "mean_load_seconds": ("Mean time to read a hit from the tier.", False),
