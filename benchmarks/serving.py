@@ -303,7 +303,10 @@ def save(step: str, rows: list[dict], seconds: float) -> None:
     kept = [json.loads(line) for line in ROWS.read_text().splitlines()] if ROWS.exists() else []
     measured = {row.get("method") for row in rows}
     kept = [row for row in kept if (row["step"] != step or row.get("method") not in measured) and row.get("timed") != step]
-    stamp = {"step": "timing", "timed": step, "seconds": seconds, "date": time.strftime("%Y-%m-%d")}
+    import transformers
+
+    stamp = {"step": "timing", "timed": step, "seconds": seconds, "date": time.strftime("%Y-%m-%d"),
+             "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
     ROWS.write_text("".join(json.dumps(row) + "\n" for row in [*kept, *rows, stamp]))
 
 
@@ -321,7 +324,8 @@ def section(path: Path = ROWS) -> list[str]:
     lines = ["", "## Serving engine: `kvopt.LLM` next to HF", ""]
     if timed:
         dates = sorted({row["date"] for row in timed.values()})
-        minutes = ", ".join(f"{step} {row['seconds'] / 60:.1f} min" for step, row in timed.items())
+        minutes = ", ".join(f"{step} {row['seconds'] / 60:.1f} min" + (f" with transformers {row['transformers']}"
+                            if "transformers" in row else "") for step, row in timed.items())  # fmt: skip
         lines += [f"Measured {' / '.join(dates)} with `python benchmarks/serving.py` (rows: "
                   f"`benchmarks/results/serving.jsonl`; {minutes}). Default model (fp32), 2 threads, greedy, "
                   "every system in one process on the same prompts of local real text.", ""]  # fmt: skip
@@ -347,7 +351,9 @@ def _throughput_lines(rows: list[dict]) -> list[str]:
         "`ignore_eos` (vLLM's) keeps EOS a candidate and generates on after it: a request whose greedy choice is EOS "
         "midway continues differently from there (`differ at EOS`, when recorded, counts those). transformers' "
         "`generate_batch` runs without an EOS and gets a pool of the same bytes as kvopt's"
-        + (f" ({max(pools) / 1e9:.2f} GB of fp32 KV: room for all the requests at once)." if pools else "."),
+        + (f" ({max(pools) / 1e9:.2f} GB of fp32 KV: room for all the requests at once)" if pools else "")
+        + "".join(f" and kvopt's step budget ({r['max_batch_tokens']:,} tokens)" for r in rows if "max_batch_tokens" in r)
+        + ".",
         "",
         "| system | requests | wall time | output tok/s | kvopt.LLM vs this | same outputs | differ at EOS |",
         "|---|---:|---:|---:|---:|---:|---:|",
