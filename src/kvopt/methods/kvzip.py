@@ -30,6 +30,7 @@ from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction, keep_top
 from kvopt.methods.scores import attention_probs, grouped_attention_output
+from kvopt.models.forward import cache_kwargs
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -83,7 +84,7 @@ class KVzip(Eviction):
                 ids = torch.cat([prompt, chunk_ids], dim=1)
                 mask = torch.cat([attention_mask, torch.ones_like(prompt), chunk_mask], dim=1)
                 with torch.no_grad():
-                    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         finally:
             for layer in cache.layers:
                 layer.scoring = None
