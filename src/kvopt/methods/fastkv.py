@@ -125,15 +125,20 @@ class FastKV(SnapKV):
             later.state[f"{self.name}.prompt"] = real
 
 
-def install(model) -> None:
-    """Register :func:`narrow_inputs` on each of ``model``'s decoder layers, once however often it is called."""
+def decoder_layers(model, method: str) -> torch.nn.ModuleList:
+    """The decoder layers of a llama / qwen2 / mistral / gemma family model, which ``method`` hooks."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise MethodParameterError(
-            f"fastkv passes selected tokens between the decoder layers at `model.model.layers`, which "
-            f"{type(model).__name__} lacks; use a llama, qwen2, mistral or gemma family model"
+            f"{method} hooks the decoder layers at `model.model.layers`, which {type(model).__name__} lacks; "
+            "use a llama, qwen2, mistral or gemma family model"
         )
-    for index, module in enumerate(layers):
+    return layers
+
+
+def install(model) -> None:
+    """Register :func:`narrow_inputs` on each of ``model``'s decoder layers, once however often it is called."""
+    for index, module in enumerate(decoder_layers(model, "fastkv")):
         if not getattr(module, HOOKED, False):
             module.register_forward_pre_hook(partial(narrow_inputs, index), with_kwargs=True)
             setattr(module, HOOKED, True)
