@@ -30,7 +30,7 @@ def test_the_reconstruction_stops_after_the_scored_layers(tiny_with_tokenizer):
 
 def test_scored_layers_and_bad_parameters():
     (method,) = parse("shallowzip:ratio=0.75")
-    assert [method.scored_layers(n) for n in (30, 32, 4, 1)] == [6, 6, 1, 1]
+    assert [method.scored_layers(n) for n in (30, 32, 4, 1)] == [8, 8, 1, 1]
     for spec, fragment in (("depth=0", "depth=0.0 must lie in"), ("carry=0", "carry=0 be >= 1")):
         with pytest.raises(MethodParameterError, match=fragment):
             parse(f"shallowzip:ratio=0.5,{spec}")

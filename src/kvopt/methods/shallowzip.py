@@ -11,9 +11,10 @@ layer ranks its tokens by the mean score, over KV heads, of the last ``carry`` r
 The selection is KVzip's: one ranking over all layers and KV heads (``budgets=global``, ragged
 storage), or an equal share per layer.
 
-Cost: the reconstruction's share of a KVzip pass is about ``depth``; with ``depth=0.2`` (6 of the
-default model's 30 layers) the prefill costs about 1.4x a plain one against KVzip's ~3.5x
-(BENCHMARKS.md, ``benchmarks/frontier.py``, which also compares their accuracy).
+Cost: the reconstruction's share of a KVzip pass is about ``depth``; with ``depth=0.25`` (8 of the
+default model's 30 layers) the prefill costs about 1.5x a plain one against KVzip's ~3.5x at 2k tokens
+(BENCHMARKS.md, ``benchmarks/frontier.py``, which also compares their accuracy). In pilots, 6 layers
+(``depth=0.2``) lost the passkey that 8 keep.
 
 Deviations from KVzip: the deeper layers' scores are carried over, not measured (one score per
 token shared by their heads).
@@ -47,7 +48,7 @@ class ShallowZip(KVzip):
     name = "shallowzip"
     summary = "query-agnostic: KVzip's reconstruction pass through the first layers only, scores carried deeper"
 
-    depth: float = field(default=0.2, metadata={"help": "share of the layers the reconstruction runs through"})
+    depth: float = field(default=0.25, metadata={"help": "share of the layers the reconstruction runs through"})
     carry: int = field(default=3, metadata={"help": "last reconstructed layers whose mean score deeper layers use"})
 
     def validate(self) -> None:
@@ -55,7 +56,7 @@ class ShallowZip(KVzip):
         if not 0.0 < self.depth <= 1.0 or self.carry < 1:
             raise MethodParameterError(
                 f"shallowzip: depth={self.depth} must lie in (0, 1] and carry={self.carry} be >= 1, "
-                "e.g. shallowzip:ratio=0.75,depth=0.2,carry=3"
+                "e.g. shallowzip:ratio=0.75,depth=0.25,carry=3"
             )
 
     def scored_layers(self, layers: int) -> int:
