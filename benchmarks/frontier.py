@@ -125,7 +125,8 @@ def measure_decode(model, tokenizer, repeats: int, new_tokens: int) -> list[dict
         for contender in contenders:
             outcome = run_prompt(model, contender, ids, [], new_tokens, QUERY_AWARE, set(), tokenizer, shared)
             rows.append({"method": contender.spec, "length": DECODE_LENGTH, "repeat": repeat, "new_tokens": new_tokens,
-                         "decode_tok_s": round(outcome.decode_tok_s, 3), "kv_bytes": outcome.kv_bytes_peak})  # fmt: skip
+                         "decode_tok_s": round(outcome.decode_tok_s, 3),
+                         "kv_bytes": outcome.kv_bytes_peak})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -191,13 +192,13 @@ def stage_two_parts(row, model, repeats: int) -> dict:
             work()
         return 1e6 * (time.perf_counter() - began) / repeats
 
-    split = row.split
+    split, kept = row.split, (row.keys[None], row.values[None])
     return {
         "part": "stage 2 (one layer)", "method": f"rocketkv:budget={ROCKET_BUDGETS[0]}", "length": DECODE_LENGTH,
         "kept_tokens": len(row), "chunk": split.chunk, "channels": split.channels, "topk": split.topk,
         "search_us": round(clock(lambda: row.select(query[0, :, 0])), 1),
         "sparse_attention_us": round(clock(lambda: row.attend(query, scale, None)), 1),
-        "dense_attention_us": round(clock(lambda: attention_with_lse(query, row.keys[None], row.values[None], None, scale)), 1),
+        "dense_attention_us": round(clock(lambda: attention_with_lse(query, *kept, None, scale)), 1),
         "index_elements_read": row.key_bounds.shape[-1] * split.channels * row.keys.shape[0],
         "key_elements": row.keys.numel(),
         "kv_elements_read_sparse": 2 * split.topk * dim * row.keys.shape[0],
@@ -294,8 +295,9 @@ def _prefill_part(by_step: dict) -> list[str]:
     lines = [
         "### Prefill: FastKV's token-selective propagation",
         "",
-        f"A prompt of local real text prefilled by each method on its own (median of {max(r['repeat'] for r in rows) + 1} "
-        "interleaved runs); accuracy with the question inside the prefill (step `aware`), same lengths.",
+        "A prompt of local real text prefilled by each method on its own (median of "
+        f"{max(r['repeat'] for r in rows) + 1} interleaved runs); accuracy with the question inside the prefill "
+        "(step `aware`), same lengths.",
         "",
         "| length | method | prefill s | speed-up vs `full` | KV held | accuracy (query-aware) | kept of `full`'s |",
         "|---:|---|---:|---:|---:|---|---|",
@@ -307,8 +309,9 @@ def _prefill_part(by_step: dict) -> list[str]:
             if not group:
                 continue
             seconds = _median(group, "prefill_s")
+            held = group[-1]["kv_bytes"] / 1e6
             lines.append(
-                f"| {length} | `{spec}` | {seconds:.2f} | {full / seconds:.2f}x | {group[-1]['kv_bytes'] / 1e6:.1f} MB | "
+                f"| {length} | `{spec}` | {seconds:.2f} | {full / seconds:.2f}x | {held:.1f} MB | "
                 f"{_aware_cells(by_step, spec, length)} |"
             )
     return [*lines, ""]

@@ -50,7 +50,8 @@ def test_selection_and_every_layers_kv_match_the_slow_references():
         (snap,) = probe.records[index]
         assert_same_selection(snap["positions"][0][0], expected, summed, f"layer {index}")
         assert snap["query_positions"] == snap["positions"][0][0]
-    check_snapkv_family(cache, probe, window=8, kernel=7, pooling="max", targets_of=lambda _, __: ratio_target(120, 0.7))
+    target = ratio_target(120, 0.7)
+    check_snapkv_family(cache, probe, window=8, kernel=7, pooling="max", targets_of=lambda _, __: target)
     assert all(layer.seen == 120 and layer.seen_real == 120 for layer in cache.layers)
 
 
@@ -113,7 +114,7 @@ def test_bytes_drop_to_the_budget_and_match_the_estimate():
         model(ids, past_key_values=full)
     assert [len(layer.store) for layer in cache.layers] == [90, 90, 90]
     info = ModelInfo.from_config(model.config)
-    positions = 3 * 90 * info.num_kv_heads * 4  # int32 per kept token and KV head, which estimates leave out (as SnapKV's)
+    positions = 3 * 90 * info.num_kv_heads * 4  # int32 per kept token and head, left out of estimates (as SnapKV's)
     assert cache.nbytes() == estimate(info, 300, 1, parse(SPEC), dtype=torch.float32).total_bytes + positions
     assert cache.nbytes() < 0.35 * full.nbytes()
 

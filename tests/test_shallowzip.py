@@ -14,8 +14,11 @@ def test_the_reconstruction_stops_after_the_scored_layers(tiny_with_tokenizer):
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 200), generator=torch.Generator().manual_seed(4))
     tokens = {0: 0, 1: 0}
-    count = lambda index: lambda module, args, out: tokens.__setitem__(index, tokens[index] + args[0].shape[1])  # noqa: E731
-    hooks = [layer.mlp.register_forward_hook(count(index)) for index, layer in enumerate(model.model.layers)]
+
+    def counter(index: int):
+        return lambda module, args, out: tokens.__setitem__(index, tokens[index] + args[0].shape[1])
+
+    hooks = [layer.mlp.register_forward_hook(counter(index)) for index, layer in enumerate(model.model.layers)]
     try:
         cache = kvopt.cache("shallowzip:ratio=0.75,depth=0.5,chunk=64", model)
         cache.prefill(model, context, tokenizer=tokenizer)

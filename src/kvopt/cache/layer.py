@@ -50,7 +50,7 @@ class Propagated:
     first_layer: int
 
     def positions(self, seen: int) -> torch.Tensor:
-        """Sequence indices of the tokens that reach the layer: ``[kept]`` when the rows agree, else ``[batch, kept]``."""
+        """Sequence indices of the tokens reaching the layer: ``[kept]`` if the rows agree, else ``[batch, kept]``."""
         positions = (self.columns + seen).to(torch.int32)
         return positions[0] if bool((positions == positions[:1]).all()) else positions
 

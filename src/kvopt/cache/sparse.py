@@ -94,7 +94,8 @@ class SparseRow:
         # 1 / temperature, temperature = sqrt(D sum|q_sel| / sum|q|) per query head
         inverse = (magnitude.sum(-1) / (dim * magnitude.gather(-1, channels).sum(-1)).clamp(min=1e-30)).sqrt()
         # Chunks are equally long, so the softmax over tokens ranks them as the softmax over chunks does.
-        scores = torch.softmax(torch.matmul(selected, bound) * inverse[..., None], dim=-1).sum(dim=1)  # [H_kv, chunks]
+        logits = torch.matmul(selected, bound.float()) * inverse[..., None]  # [H_kv, g, chunks]
+        scores = torch.softmax(logits, dim=-1).sum(dim=1)  # summed over the group
         return scores.topk(-(-self.split.topk // self.split.chunk), dim=-1).indices
 
     def slots(self, chunks: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,8 @@ class SparseRow:
         """``query [1, H_q, q, D]`` -> ``(output [1, H_q, q, D], lse [1, H_q, q])``; every stored token is
         older than any query (the part is made at the end of the prefill), so no mask is needed."""
         keys, values = self.keys, self.values
-        if not self.exact and query.shape[2] == 1:  # several queries (a later prompt chunk) read all, as the paper's prefill
+        # Several queries (a later prompt chunk) read all tokens, as the paper's prefill does.
+        if not self.exact and query.shape[2] == 1:
             slots = self.slots(self.select(query[0, :, 0])).flatten()
             heads, _, dim = keys.shape
             keys, values = (t.reshape(-1, dim).index_select(0, slots).view(heads, -1, dim) for t in (keys, values))

@@ -149,7 +149,8 @@ def parse_contender(spec: str) -> Contender:
     methods = parse(spec)
     ratio = next((getattr(m, "ratio") for m in methods if getattr(m, "ratio", None) is not None), None)
     replays = not any(m.shapes_prefill for m in methods)
-    return Contender("+".join(m.spec() for m in methods), "kvopt", "+".join(m.name for m in methods), ratio, replays=replays)
+    names = "+".join(m.name for m in methods)
+    return Contender("+".join(m.spec() for m in methods), "kvopt", names, ratio, replays=replays)
 
 
 def _options(spec: str, args: str) -> dict[str, str]:

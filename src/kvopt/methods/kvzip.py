@@ -78,7 +78,9 @@ class KVzip(Eviction):
         """Feed the reconstruction forwards; the ``scored`` layers raise their tokens' scores (store extra
         ``kvzip``) to the attention the reconstruction queries pay them."""
         if tokenizer is None:
-            raise CacheUsageError(f"{self.name} needs the tokenizer: call cache.prefill(model, ids, tokenizer=tokenizer)")
+            raise CacheUsageError(
+                f"{self.name} needs the tokenizer: call cache.prefill(model, ids, tokenizer=tokenizer)"
+            )
         batch = input_ids.shape[0]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
