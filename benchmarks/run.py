@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import codec
+import frontier
 import load
 import serving
 import speculative
@@ -120,7 +121,8 @@ def main() -> None:
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
         "--steps",
-        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative",
+        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
+        "frontier",
         help="comma-separated subset of the default (or none: compose BENCHMARKS.md from the committed rows)",
     )  # fmt: skip
     args = parser.parse_args()
@@ -193,6 +195,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
+    if "frontier" in steps:  # fastkv prefill, rocketkv decode, streaming, shallowzip (benchmarks/results/frontier.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontier.py")], check=True)
     compose(args, load_timings(args.results))
 
 
@@ -375,7 +379,8 @@ def compose(args, timings: dict[str, float]) -> None:
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *tiers.section(), *committed_section(speculative),
+             *committed_section(frontier)]  # fmt: skip
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)
