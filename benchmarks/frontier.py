@@ -2,12 +2,13 @@
 streaming perplexity, and a prefill-cheap query-agnostic method next to KVzip.
 
     python benchmarks/frontier.py                                 # every step: hours on 2 shared cores; resumable
-    python benchmarks/frontier.py --steps prefill,decode,profile  # the timed steps only (~20 min)
+    python benchmarks/frontier.py --steps prefill,cost,decode,profile  # the timed steps only (~1 h)
 
 Steps (one torch thread each; timings interleaved method by method within a repeat, medians kept):
 
 * ``prefill``: a prompt of local real text at 4k and 8k tokens prefilled by ``full``, ``fastkv`` and ``snapkv`` at
   the same KV budget, each on its own (fastkv's prefill differs: nothing is replayed).
+* ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own.
 * ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512, and
   ``snapkv`` keeping the bytes each rocketkv budget stores (summaries included); one recorded prefill replayed.
 * ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
@@ -43,8 +44,9 @@ WORK = ROOT / "results" / "frontier"
 CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention): compare ratios, not absolute speeds"
 MODEL = "SmolLM2-135M-Instruct"
 TASKS = ["passkey", "niah", "niah_multivalue"]
-#: FastKV's paper setting (retain 10% of the KV, propagate 20% of the tokens) and SnapKV at the same KV budget.
-PREFILL = ["full", "fastkv:ratio=0.9", "snapkv:ratio=0.9"]
+#: FastKV's paper setting (retain 10% of the KV, propagate 20% of the tokens), SnapKV at the same KV budget, and
+#: SnapKV with FastKV's scoring (window 8, max pooling over 7): FastKV without its propagation.
+PREFILL = ["full", "fastkv:ratio=0.9", "snapkv:ratio=0.9", "snapkv:ratio=0.9,window=8,kernel=7,pooling=max"]
 PREFILL_LENGTHS = [4096, 8192]
 DECODE_LENGTH = 8192
 ROCKET_BUDGETS = [256, 512]
@@ -53,7 +55,10 @@ STREAM_CHUNK = 16
 STREAM = ["full", "treekv:budget=1024", "streamingllm:sinks=4,window=1020", "tova:budget=1024", "h2o:budget=1024"]
 CHEAP = "shallowzip"
 AGNOSTIC = ["full", *(f"{m}:ratio={r}" for r in (0.75, 0.9) for m in (CHEAP, "kvzip", "tova"))]
-AGNOSTIC_LENGTHS = [2048, 4096]
+AGNOSTIC_LENGTHS = [2048]
+#: The query-agnostic methods' prefill cost measured on its own (``prefill`` step) at a longer prompt too.
+AGNOSTIC_COST = ["full", "shallowzip:ratio=0.75", "kvzip:ratio=0.75"]
+AGNOSTIC_COST_LENGTHS = [2048, 4096]
 
 
 def decode_methods(info) -> list[str]:
@@ -108,6 +113,25 @@ def measure_prefill(model, tokenizer, repeats: int) -> list[dict]:
                 seconds = time.perf_counter() - began
                 rows.append({"method": spec, "length": length, "repeat": repeat, "prefill_s": round(seconds, 3),
                              "kv_bytes": cache.nbytes()})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def measure_agnostic_cost(model, tokenizer, repeats: int) -> list[dict]:
+    """Prefill time of the query-agnostic methods, each prefilling on its own (reconstruction pass included)."""
+    from kvopt.api import build_cache
+
+    rows = []
+    for length in AGNOSTIC_COST_LENGTHS:
+        ids = torch.tensor([prompt_ids(tokenizer, length)])
+        for repeat in range(repeats):
+            for spec in AGNOSTIC_COST:
+                cache = build_cache(spec, model)
+                began = time.perf_counter()
+                cache.prefill(model, ids, tokenizer=tokenizer)
+                rows.append({"method": spec, "length": length, "repeat": repeat,
+                             "prefill_s": round(time.perf_counter() - began, 3)})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -260,7 +284,7 @@ def _accuracy(rows: list[dict]) -> str:
         return ""
     hits = sum(row["score"] for row in rows)
     low, high = wilson_interval(hits, len(rows))
-    return f"{hits / len(rows):.0%} [{low:.0%}–{high:.0%}] (n={len(rows)})"
+    return f"{hits / len(rows):.0%} [{100 * low:.0f}–{100 * high:.0f}] (n={len(rows)})"
 
 
 def _kept(rows: list[dict], reference: list[dict]) -> str:
@@ -274,7 +298,7 @@ def _kept(rows: list[dict], reference: list[dict]) -> str:
         return ""
     hits = sum(r["score"] for r in paired)
     low, high = wilson_interval(hits, len(paired))
-    return f"{hits / len(paired):.0%} [{low:.0%}–{high:.0%}] (of {len(paired)})"
+    return f"{hits / len(paired):.0%} [{100 * low:.0f}–{100 * high:.0f}] (of {len(paired)})"
 
 
 def _eval_rows(by_step: dict, step: str, method: str, length: int) -> list[dict]:
@@ -423,15 +447,37 @@ def _agnostic_part(by_step: dict) -> list[str]:
         ratio = statistics.median(r["prefill_s"] / full[key(r)]["prefill_s"] for r in group if key(r) in full)
         kept = _kept(group, list(full.values())) if spec != "full" else ""
         lines.append(f"| `{spec}` | {_accuracy(group)} | {kept} | {_median(group, 'prefill_s'):.2f} | {ratio:.2f}x |")
+    return [*lines, "", *_cost_part(by_step)]
+
+
+def _cost_part(by_step: dict) -> list[str]:
+    rows = by_step.get("cost", [])
+    if not rows:
+        return []
+    lines = [
+        "Prefill cost on its own (step `cost`: a prompt of local real text, each method prefilling alone, the "
+        f"reconstruction pass included; median of {max(r['repeat'] for r in rows) + 1} interleaved runs):",
+        "",
+        "| length | method | prefill s | vs `full` |",
+        "|---:|---|---:|---:|",
+    ]
+    for length in AGNOSTIC_COST_LENGTHS:
+        full = _median([r for r in rows if r["length"] == length and r["method"] == "full"], "prefill_s")
+        for spec in AGNOSTIC_COST:
+            seconds = _median([r for r in rows if r["length"] == length and r["method"] == spec], "prefill_s")
+            lines.append(f"| {length} | `{spec}` | {seconds:.2f} | {seconds / full:.2f}x |")
     return [*lines, ""]
 
 
 # -- main -------------------------------------------------------------------------------------------------------
 
 
+DEFAULT_STEPS = "prefill,cost,decode,profile,aware,stream,agnostic"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", default="prefill,decode,profile,aware,stream,agnostic")
+    parser.add_argument("--steps", default=DEFAULT_STEPS)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each timed method")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=16)
@@ -445,6 +491,8 @@ def main() -> None:
     for step in args.steps.split(","):
         if step == "prefill":
             new = measure_prefill(model, tokenizer, args.repeats)
+        elif step == "cost":
+            new = measure_agnostic_cost(model, tokenizer, args.repeats)
         elif step == "decode":
             new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
         elif step == "profile":
@@ -452,7 +500,7 @@ def main() -> None:
         elif step in ("aware", "stream", "agnostic"):
             new = accuracy(step, loaded, args.samples)
         else:
-            raise SystemExit(f"unknown step {step!r}; choose from prefill, decode, profile, aware, stream, agnostic")
+            raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
         old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
         kept = [row for row in old if row["step"] != step]
         ROWS.parent.mkdir(parents=True, exist_ok=True)
