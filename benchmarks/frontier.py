@@ -11,6 +11,7 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 * ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own.
 * ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512, and
   ``snapkv`` keeping the bytes each rocketkv budget stores (summaries included); one recorded prefill replayed.
+* ``decode-qwen``: the same at 16k tokens on Qwen2.5-Coder-0.5B (32k positions), where installed.
 * ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
   the LM head), for ``full`` and ``rocketkv``; and rocketkv's stage 2 on one layer: the approximate search, the
   exact attention over its top-k, and plain attention over every kept token, with the elements each reads.
@@ -49,6 +50,8 @@ TASKS = ["passkey", "niah", "niah_multivalue"]
 PREFILL = ["full", "fastkv:ratio=0.9", "snapkv:ratio=0.9", "snapkv:ratio=0.9,window=8,kernel=7,pooling=max"]
 PREFILL_LENGTHS = [4096, 8192]
 DECODE_LENGTH = 8192
+#: The longer-context model the decode step also runs on, where installed (32k positions), and its prompt.
+QWEN, QWEN_LENGTH = "qwen2.5-coder-0.5b", 16384
 ROCKET_BUDGETS = [256, 512]
 #: Tokens per forward in the streaming step (decode-time eviction acts after each forward).
 STREAM_CHUNK = 16
@@ -61,11 +64,11 @@ AGNOSTIC_COST = ["full", "shallowzip:ratio=0.75", "kvzip:ratio=0.75"]
 AGNOSTIC_COST_LENGTHS = [2048, 4096]
 
 
-def decode_methods(info) -> list[str]:
-    """full, rocketkv at each token budget, and snapkv holding the bytes that budget stores."""
+def decode_methods(info, length: int = DECODE_LENGTH) -> list[str]:
+    """full, rocketkv at each token budget, and snapkv holding the bytes that budget stores after ``length`` tokens."""
     specs = ["full"]
     for budget in ROCKET_BUDGETS:
-        specs += [f"rocketkv:budget={budget}", f"snapkv:budget={equal_bytes_budget(info, DECODE_LENGTH, budget)}"]
+        specs += [f"rocketkv:budget={budget}", f"snapkv:budget={equal_bytes_budget(info, length, budget)}"]
     return specs
 
 
@@ -90,7 +93,7 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 def stamp(rows: list[dict], step: str) -> list[dict]:
     extra = {"step": step, "model": MODEL, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d"),
              "machine": platform.processor() or platform.machine()}  # fmt: skip
-    return [{**row, **extra} for row in rows]
+    return [{**extra, **row} for row in rows]  # a row's own model (the Qwen decode rows) stays
 
 
 # -- timed steps --------------------------------------------------------------------------------------------
@@ -136,21 +139,22 @@ def measure_agnostic_cost(model, tokenizer, repeats: int) -> list[dict]:
     return rows
 
 
-def measure_decode(model, tokenizer, repeats: int, new_tokens: int) -> list[dict]:
+def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int = DECODE_LENGTH,
+                   label: str = MODEL) -> list[dict]:  # fmt: skip
     from kvopt.eval.contenders import parse_contender
     from kvopt.eval.decoding import QUERY_AWARE, run_prompt, shared_prefill
     from kvopt.models.info import ModelInfo
 
-    ids = prompt_ids(tokenizer, DECODE_LENGTH - new_tokens - 8)  # the decoded tokens fit in the model's 8,192 positions
-    contenders = [parse_contender(spec) for spec in decode_methods(ModelInfo.from_config(model.config))]
+    ids = prompt_ids(tokenizer, length - new_tokens - 8)  # the decoded tokens fit in the ``length`` positions
+    contenders = [parse_contender(spec) for spec in decode_methods(ModelInfo.from_config(model.config), length)]
     shared = shared_prefill(model, ids)
     rows = []
     for repeat in range(repeats):
         for contender in contenders:
             outcome = run_prompt(model, contender, ids, [], new_tokens, QUERY_AWARE, set(), tokenizer, shared)
-            rows.append({"method": contender.spec, "length": DECODE_LENGTH, "repeat": repeat, "new_tokens": new_tokens,
-                         "decode_tok_s": round(outcome.decode_tok_s, 3),
-                         "kv_bytes": outcome.kv_bytes_peak})  # fmt: skip
+            rows.append({"method": contender.spec, "length": length, "repeat": repeat, "new_tokens": new_tokens,
+                         "decode_tok_s": round(outcome.decode_tok_s, 3), "kv_bytes": outcome.kv_bytes_peak,
+                         "model": label})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -343,29 +347,29 @@ def _prefill_part(by_step: dict) -> list[str]:
 
 def _decode_part(by_step: dict) -> list[str]:
     rows = by_step.get("decode", [])
-    if not rows:
-        return []
-    specs = list(dict.fromkeys(r["method"] for r in rows))
-    full = _median([r for r in rows if r["method"] == "full"], "decode_tok_s")
-    lines = [
-        f"### Decode at {DECODE_LENGTH} tokens: RocketKV's sparse attention vs SnapKV at equal stored bytes",
-        "",
-        f"{rows[0]['new_tokens']} tokens decoded after one recorded prefill of local real text (median of "
-        f"{max(r['repeat'] for r in rows) + 1} interleaved runs). `snapkv:budget=N` keeps the bytes the "
-        "rocketkv budget above it stores (its stage-1 tokens plus the chunk summaries). Accuracy: question inside "
-        f"the prefill, {DECODE_LENGTH}-token prompts (step `aware`).",
-        "",
-        "| method | KV held | decode tok/s | vs `full` | accuracy (query-aware) | kept of `full`'s |",
-        "|---|---:|---:|---:|---|---|",
-    ]
-    for spec in specs:
-        group = [r for r in rows if r["method"] == spec]
-        speed = _median(group, "decode_tok_s")
-        lines.append(
-            f"| `{spec}` | {group[-1]['kv_bytes'] / 1e6:.1f} MB | {speed:.2f} | {speed / full:.2f}x | "
-            f"{_aware_cells(by_step, spec, DECODE_LENGTH)} |"
-        )
-    return [*lines, ""]
+    lines = []
+    for model, length in dict.fromkeys((r["model"], r["length"]) for r in rows):
+        runs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+        full = _median([r for r in runs if r["method"] == "full"], "decode_tok_s")
+        accuracy = model == MODEL and length == DECODE_LENGTH  # the query-aware grid ran on the default model
+        lines += [
+            f"### Decode at {length} tokens ({model}): RocketKV's sparse attention vs SnapKV at equal stored bytes",
+            "",
+            f"{runs[0]['new_tokens']} tokens decoded after one recorded prefill of local real text (median of "
+            f"{max(r['repeat'] for r in runs) + 1} interleaved runs). `snapkv:budget=N` keeps the bytes the "
+            "rocketkv budget above it stores (its stage-1 tokens plus the chunk summaries)."
+            + (f" Accuracy: question inside the prefill, {length}-token prompts (step `aware`)." if accuracy else ""),
+            "",
+            "| method | KV held | decode tok/s | vs `full` | accuracy (query-aware) | kept of `full`'s |",
+            "|---|---:|---:|---:|---|---|",
+        ]
+        for spec in dict.fromkeys(r["method"] for r in runs):
+            group = [r for r in runs if r["method"] == spec]
+            speed = _median(group, "decode_tok_s")
+            cells = _aware_cells(by_step, spec, length) if accuracy else " | "
+            lines.append(f"| `{spec}` | {group[-1]['kv_bytes'] / 1e6:.1f} MB | {speed:.2f} | {speed / full:.2f}x | {cells} |")
+        lines.append("")
+    return lines
 
 
 def _profile_part(by_step: dict) -> list[str]:
@@ -472,7 +476,7 @@ def _cost_part(by_step: dict) -> list[str]:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
-DEFAULT_STEPS = "prefill,cost,decode,profile,aware,stream,agnostic"
+DEFAULT_STEPS = "prefill,cost,decode,decode-qwen,profile,aware,stream,agnostic"
 
 
 def main() -> None:
@@ -495,6 +499,8 @@ def main() -> None:
             new = measure_agnostic_cost(model, tokenizer, args.repeats)
         elif step == "decode":
             new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
+        elif step == "decode-qwen":  # the longer-context model, where installed
+            new = measure_decode(*kvopt.load_model(QWEN), args.repeats, args.new_tokens, QWEN_LENGTH, QWEN)
         elif step == "profile":
             new = measure_profile(model, tokenizer, args.profile_steps)
         elif step in ("aware", "stream", "agnostic"):
