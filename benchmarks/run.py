@@ -29,6 +29,7 @@ from pathlib import Path
 
 import both_models
 import codec
+import frontier
 import load
 import serving
 import speculative
@@ -75,7 +76,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
-    "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative"
+    "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
+    "frontier"
 )
 SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
@@ -223,6 +225,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
+    if "frontier" in steps:  # fastkv prefill, rocketkv decode, streaming, shallowzip (benchmarks/results/frontier.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontier.py")], check=True)
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -459,7 +463,8 @@ def compose(args) -> None:
     report = model_report(args.results, report_dir, TITLE.removeprefix("# "))
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *committed_section(tiers), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
+             *committed_section(frontier)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []

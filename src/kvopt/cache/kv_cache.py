@@ -123,6 +123,12 @@ class KVCache(Cache):
         after attention, this equals prefilling this cache directly with the same one forward pass,
         so one prefill serves many methods (the evaluation grid compares a dozen on each prompt).
         """
+        shaping = [m.name for m in self.methods if m.shapes_prefill]
+        if shaping:
+            raise CacheUsageError(
+                f"{shaping[0]} changes the prefill itself, so a recorded lossless prefill cannot stand for it; "
+                "prefill this cache directly (model(ids, past_key_values=cache))"
+            )
         layers = source.layers
         if len(layers) != len(self.layers) or any(layer.recorded_prefill is None for layer in layers):
             raise CacheUsageError(
