@@ -15,13 +15,14 @@ centre and half-range per channel and group, as KIVI does), after each vector's 
 found against per-channel ranges calibrated offline (section 3.1). Calibrated ranges alone (no
 per-token bytes) lost retrieval on the default model: 17% of passkey/niah prompts right vs 44%
 for kivi at 2 bits and 1k tokens. Values are normalized **per token** (fp16 centre and
-half-range, 4 bytes per vector) after their outliers are taken out. The first ``sinks`` real
-tokens of each row stay at full precision (section 3.5, attention sinks) in a small dense block.
+half-range, 4 bytes per vector) after their outliers (if any) are taken out. The first ``sinks``
+real tokens of each row stay at full precision (section 3.5, attention sinks) in a small dense block.
+With cross-layer predictors (AQUA-KV, :mod:`kvopt.cache.crosslayer`) the same codes hold the
+residual of each key and value from its prediction (:class:`NonUniformKV`).
 
 Attention never rebuilds the cache: blocks of ``BLOCK_ELEMENTS`` are dequantized (2 and 4 bits:
-one byte-table lookup per byte), attended with the log-sum-exp kept, and merged exactly, as
-:class:`~kvopt.cache.quantized.QuantizedKV` does. Unlike it, the blocks are fresh tensors, not
-reused workspaces.
+one gather per byte) into reused workspace buffers, rotated, attended with the log-sum-exp kept,
+and merged exactly, as :class:`~kvopt.cache.quantized.QuantizedKV` does.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvopt.cache import prerope
 from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
+from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
+from kvopt.cache.quant import workspace
 from kvopt.cache.quantized import BLOCK_ELEMENTS
 
 #: Bits of a non-uniform code.
@@ -68,25 +70,32 @@ def nearest_level(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x.contiguous(), midpoints.to(x.device))
 
 
-def lookup(packed: torch.Tensor, bits: int, levels: torch.Tensor) -> torch.Tensor:
-    """The levels of :func:`pack_codes`' codes, fp32 ``[..., D]``.
+def lookup(packed: torch.Tensor, bits: int, levels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The levels of :func:`pack_codes`' codes, fp32 ``[..., D]`` (written into ``out`` when given, contiguous).
 
-    2 and 4 bits: a byte holds whole consecutive codes, so one table lookup per byte gives its
-    ``8 / bits`` levels at once (:func:`byte_table`), about 4x faster than unpacking then indexing.
+    2 and 4 bits: a byte holds whole consecutive codes, so one gather per byte copies its
+    ``8 / bits`` levels at once from a table of one wide element per byte value (16 bytes for
+    2 bits), about 4x faster than a row-wise embedding lookup and 10x faster than unpacking
+    then indexing.
     """
+    shape = (*packed.shape[:-1], packed.shape[-1] * PACK // bits)
     if 8 % bits:
-        return levels[unpack_codes(packed, bits)]
-    return F.embedding(packed.long(), byte_table(levels, bits)).flatten(-2)
+        found = levels[unpack_codes(packed, bits)]
+        return found if out is None else out.view(shape).copy_(found)
+    table = byte_table(levels, bits)
+    wide = None if out is None else out.view(-1).view(table.dtype)
+    return torch.index_select(table, 0, packed.reshape(-1).int(), out=wide).view(torch.float32).view(shape)
 
 
 @functools.lru_cache(maxsize=256)
 def _byte_table(levels: tuple[float, ...], bits: int, device: torch.device) -> torch.Tensor:
     fields = torch.arange(256)[:, None] >> (bits * torch.arange(8 // bits)) & ((1 << bits) - 1)
-    return torch.tensor(levels)[fields].to(device)
+    table = torch.tensor(levels)[fields].to(device)  # [256, 8 / bits] fp32: 16 or 8 bytes a row
+    return table.view(torch.complex128 if bits == 2 else torch.float64).flatten()
 
 
 def byte_table(levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[256, 8 / bits]``: the levels of the codes of each byte value (made once per level set)."""
+    """``[256]`` wide elements, each the ``8 / bits`` fp32 levels of one byte value's codes (made once per level set)."""
     return _byte_table(tuple(levels.tolist()), bits, levels.device)
 
 
@@ -95,8 +104,9 @@ class LayerCodec:
     """What one layer's quantizer learned offline: levels and key ranges (per model, not per token)."""
 
     bits: int
-    #: Outlier channels kept exactly per vector.
+    #: Outlier channels kept exactly per key vector and per value vector.
     sparse: int
+    value_sparse: int
     #: Sorted levels in ``[-1, 1]``, ``[2^bits]`` fp32, for keys and for values.
     key_levels: torch.Tensor
     value_levels: torch.Tensor
@@ -188,9 +198,12 @@ def encode_keys(pre_rope: torch.Tensor, codec: LayerCodec, group: int) -> Vector
     return Vectors(pack_codes(codes, codec.bits), exact, index, center, half, group)
 
 
-def decode_keys(stored: Vectors, codec: LayerCodec) -> torch.Tensor:
-    """Pre-RoPE keys ``[B, H, T, D]`` fp32 from :func:`encode_keys`' codes."""
-    keys = in_ranges(lookup(stored.codes, codec.bits, codec.key_levels), stored.center, stored.half, stored.group, True)
+def decode_keys(stored: Vectors, codec: LayerCodec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pre-RoPE keys ``[B, H, T, D]`` fp32 from :func:`encode_keys`' codes (into ``out`` when given)."""
+    keys = lookup(stored.codes, codec.bits, codec.key_levels, out)
+    *lead, tokens, dim = keys.shape
+    grouped = keys.view(*lead, tokens // stored.group, stored.group, dim)
+    torch.addcmul(stored.center.unsqueeze(-2), grouped, stored.half.unsqueeze(-2), out=grouped)
     return keys.scatter_(-1, stored.sparse_index.long(), stored.sparse_values.float())
 
 
@@ -211,25 +224,24 @@ def value_ranges(values: torch.Tensor, sparse: int) -> tuple[torch.Tensor, torch
 def encode_values(values: torch.Tensor, codec: LayerCodec) -> Vectors:
     """Values ``[B, H, T, D]`` (fp32): outliers exact, the rest normalized per token by its own range
     (:func:`value_ranges`) and put on the levels."""
-    normalized, index, center, half = value_ranges(values, codec.sparse)
+    normalized, index, center, half = value_ranges(values, codec.value_sparse)
     codes = nearest_level(normalized.clamp(-1, 1), codec.value_levels)
     exact = values.gather(-1, index.long()).to(PARAM_DTYPE)
     return Vectors(pack_codes(codes, codec.bits), exact, index, center, half)
 
 
-def decode_values(stored: Vectors, codec: LayerCodec) -> torch.Tensor:
-    """Values ``[B, H, T, D]`` fp32 from :func:`encode_values`' codes."""
-    values = lookup(stored.codes, codec.bits, codec.value_levels)
-    values = values.mul_(stored.half).add_(stored.center)
+def decode_values(stored: Vectors, codec: LayerCodec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Values ``[B, H, T, D]`` fp32 from :func:`encode_values`' codes (into ``out`` when given)."""
+    values = lookup(stored.codes, codec.bits, codec.value_levels, out)
+    torch.addcmul(stored.center, values, stored.half, out=values)
     return values.scatter_(-1, stored.sparse_index.long(), stored.sparse_values.float())
 
 
-def bytes_per_vector(dim: int, bits: int, sparse: int, group: int) -> tuple[float, int]:
+def bytes_per_vector(dim: int, bits: int, key_sparse: int, value_sparse: int, group: int) -> tuple[float, int]:
     """Bytes of one key vector and one value vector: codes, fp16 outliers with uint8 indices, and ranges
     (keys: a share of their ``group``'s per-channel ranges; values: their own)."""
-    sparse_bytes = sparse * (PARAM_DTYPE.itemsize + 1)
-    ranges = 2 * PARAM_DTYPE.itemsize
-    return dim * bits // 8 + sparse_bytes + ranges * dim / group, dim * bits // 8 + sparse_bytes + ranges
+    codes, ranges, outlier = dim * bits // 8, 2 * PARAM_DTYPE.itemsize, PARAM_DTYPE.itemsize + 1
+    return codes + key_sparse * outlier + ranges * dim / group, codes + value_sparse * outlier + ranges
 
 
 @dataclass
@@ -249,10 +261,38 @@ class DenseBlock:
 
 
 @dataclass
-class NonUniformKV:
-    """A :class:`~kvopt.cache.part.KVPart`: sinks at full precision plus dense-and-sparse non-uniform codes."""
+class Reconstruction:
+    """Pre-RoPE keys and values ``[B, H, n, D]`` (fp32) of a part's quantized tokens ``first:first + n``, kept
+    between layers of one forward pass (see :meth:`NonUniformKV.reconstruct`); valid while the part holds
+    the ``codes`` tensor they were decoded from (parts grow into new tensors, and a rollback restores old ones)."""
 
-    kind = "non-uniform quantized tokens (kvquant)"
+    codes: torch.Tensor
+    first: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def covers(self, codes: torch.Tensor, start: int, stop: int) -> bool:
+        return codes is self.codes and self.first <= start and stop <= self.first + self.keys.shape[2]
+
+    def slice(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = slice(start - self.first, stop - self.first)
+        return self.keys[:, :, tokens], self.values[:, :, tokens]
+
+
+@dataclass
+class NonUniformKV:
+    """A :class:`~kvopt.cache.part.KVPart`: sinks at full precision plus dense-and-sparse non-uniform codes.
+
+    With a ``predictor`` (AQUA-KV), the codes hold what it cannot explain: the residual of each
+    pre-RoPE key from a linear function of the ``source`` part's reconstructed keys (the previous
+    quantized layer's, for the same tokens in the same slots), and of each value from this
+    layer's reconstructed keys and the source's values. Reading a token then needs the source's
+    reconstruction of it, and so on down the layers: each part that feeds another keeps its
+    reconstruction from its attention call (or its encoding) until the next layer has read it
+    (:class:`Reconstruction`, transient, not in ``nbytes``), so a forward pass decodes each layer once.
+    """
+
+    kind = "non-uniform quantized tokens (kvquant, aquakv)"
     read_order = 1
 
     keys: Vectors
@@ -263,28 +303,55 @@ class NonUniformKV:
     rope: prerope.RopeTable
     offsets: torch.Tensor | None
     sinks: DenseBlock | None = None
+    predictor: LayerPredictor | None = None
+    source: NonUniformKV | None = None
+
+    def __post_init__(self) -> None:
+        #: True once a later layer's part predicts from this one (see :meth:`reconstruct`).
+        self.feeds = False
+        self.memo: Reconstruction | None = None
 
     @classmethod
     def encode(
         cls, keys: torch.Tensor, values: torch.Tensor, index: TokenIndex, codec: LayerCodec, rope: prerope.RopeTable,
-        offsets: torch.Tensor | None, group: int,
+        offsets: torch.Tensor | None, group: int, predictor: LayerPredictor | None = None,
+        source: NonUniformKV | None = None, first: int = 0,
     ) -> NonUniformKV:  # fmt: skip
         """Quantize post-RoPE ``keys`` and ``values [B, H, T, D]`` at the tokens ``index`` describes (``T`` a
-        multiple of ``group``, the tokens sharing key ranges)."""
+        multiple of ``group``, the tokens sharing key ranges); with a ``predictor``, only what it cannot
+        explain from ``source``'s tokens ``first:first + T`` (the slots these tokens will occupy)."""
         positions = prerope.rope_positions(index.positions, offsets)
         pre_rope = prerope.rotate(keys, positions, rope, inverse=True)
-        stored_keys = encode_keys(pre_rope, codec, group)
-        stored_values = encode_values(values.float(), codec)
-        return cls(stored_keys, stored_values, index, codec, rope, offsets)
+        values = values.float()
+        if predictor is None:
+            return cls(encode_keys(pre_rope, codec, group), encode_values(values, codec), index, codec, rope, offsets)
+        source_keys, source_values = source.reconstruct(first, first + keys.shape[2])
+        predicted = predictor.keys(source_keys)
+        stored_keys = encode_keys(pre_rope - predicted, codec, group)
+        keys = decode_keys(stored_keys, codec).add_(predicted)  # the decoder's keys, which values are predicted from
+        predicted = predictor.values(keys, source_values)
+        stored_values = encode_values(values - predicted, codec)
+        part = cls(stored_keys, stored_values, index, codec, rope, offsets, predictor=predictor, source=source)
+        part.memo = Reconstruction(stored_keys.codes, first, keys, decode_values(stored_values, codec).add_(predicted))
+        return part
 
     def __len__(self) -> int:
         return self.index.length
 
     def extend(self, other: NonUniformKV) -> None:
-        """Append newer tokens quantized by the same codec."""
+        """Append newer tokens quantized by the same codec (and predictor). A kept reconstruction grows by theirs
+        (their encoding made it), so the layer this one feeds reads both without decoding."""
+        held, memo = len(self), self.memo
+        kept = memo if memo is not None and memo.covers(self.keys.codes, memo.first, held) else None
         self.keys = Vectors.cat(self.keys, other.keys)
         self.values = Vectors.cat(self.values, other.values)
         self.index = self.index.cat(other.index)
+        new = other.memo
+        if new is None or kept is None:
+            self.memo = None if new is None else Reconstruction(self.keys.codes, held, new.keys, new.values)
+        else:
+            joined = (torch.cat([old, added], dim=2) for old, added in zip(kept.slice(kept.first, held), (new.keys, new.values)))
+            self.memo = Reconstruction(self.keys.codes, kept.first, *joined)
 
     def nbytes(self) -> int:
         held = self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
@@ -295,27 +362,61 @@ class NonUniformKV:
         counts = self.index.valid_counts()
         return counts + self.sinks.index.valid_counts() if self.sinks is not None else counts
 
+    def reconstruct(self, start: int, stop: int, into: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``: the kept
+        reconstruction when it covers them, else decoded (plus the predictions from the source's tokens).
+        With ``into``, a part without predictor writes them into reused workspace buffers of that name."""
+        if self.memo is not None and self.memo.covers(self.keys.codes, start, stop):
+            return self.memo.slice(start, stop)
+        into = into if self.predictor is None else None
+        shape = (*self.values.codes.shape[:2], stop - start, self.values.codes.shape[-1] * PACK // self.codec.bits)
+        device = self.values.codes.device
+        buffers = [None if into is None else workspace(f"{into}:{name}", shape, torch.float32, device)
+                   for name in ("keys", "values")]  # fmt: skip
+        keys = decode_keys(self.keys.narrow(start, stop), self.codec, buffers[0])
+        values = decode_values(self.values.narrow(start, stop), self.codec, buffers[1])
+        if self.predictor is not None:
+            source_keys, source_values = self.source.reconstruct(start, stop)
+            keys += self.predictor.keys(source_keys)
+            values += self.predictor.values(keys, source_values)
+        return keys, values
+
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``."""
         stop = len(self) if stop is None else stop
-        pre_rope = decode_keys(self.keys.narrow(start, stop), self.codec)
+        pre_rope, values = self.reconstruct(start, stop)
+        return self._rotate(pre_rope, start, stop), values
+
+    def _rotate(self, pre_rope: torch.Tensor, start: int, stop: int, into: str | None = None) -> torch.Tensor:
+        """``pre_rope`` keys of tokens ``start:stop`` rotated to their RoPE positions (into a workspace when named)."""
         positions = prerope.rope_positions(self.index.span(start, stop)[0], self.offsets)
-        keys = prerope.rotate(pre_rope, positions, self.rope)
-        return keys, decode_values(self.values.narrow(start, stop), self.codec)
+        out = None if into is None else workspace(f"{into}:rotated", list(pre_rope.shape), torch.float32, pre_rope.device)
+        return prerope.rotate(pre_rope, positions, self.rope, out=out)
+
+    def release(self) -> None:
+        """Forget the kept reconstruction (once the layer it feeds has read it, or when it feeds none)."""
+        self.memo = None
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block."""
+        """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block.
+
+        A part that feeds a later layer keeps the reconstruction of all its tokens for it; the
+        others decode each block into reused workspaces."""
         parts = [self.sinks.attend(query, query_positions, scaling, softcap)] if self.sinks is not None else []
         batch, heads = self.values.codes.shape[:2]
         group = self.keys.group
         step = max(BLOCK_ELEMENTS // (batch * heads * query.shape[-1]) // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
+        into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
+        if self.feeds or self.predictor is not None:
+            keys, values = self.reconstruct(0, len(self))
+            self.memo = Reconstruction(self.keys.codes, 0, keys, values)
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
-            keys, values = self.dequantize(start, stop)
+            pre_rope, values = self.reconstruct(start, stop, None if self.memo is not None else into)
+            keys = self._rotate(pre_rope, start, stop, into)
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)
-

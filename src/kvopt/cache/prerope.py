@@ -82,15 +82,18 @@ class RopeTable:
         return 2 * self.cos.numel() * self.cos.element_size()
 
 
-def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False) -> torch.Tensor:
-    """``keys [B, H, T, D]`` rotated to RoPE ``positions [B, 1 or H, T]`` (``inverse``: un-rotated), in fp32."""
+def rotate(
+    keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``keys [B, H, T, D]`` rotated to RoPE ``positions [B, 1 or H, T]`` (``inverse``: un-rotated), in fp32
+    (written into ``out`` when given, which must not overlap ``keys``)."""
     cos, sin = table.angles(positions)
     if inverse:
         sin = -sin
     half = cos.shape[-1]
     keys = keys.float()
     first, second = keys[..., :half], keys[..., half : 2 * half]
-    out = torch.empty_like(keys)
+    out = torch.empty_like(keys) if out is None else out
     torch.mul(first, cos, out=out[..., :half]).addcmul_(second, sin, value=-1.0)
     torch.mul(second, cos, out=out[..., half : 2 * half]).addcmul_(first, sin)
     if 2 * half < keys.shape[-1]:  # partial rotary: the other channels are not rotated

@@ -11,6 +11,8 @@ the diagonal Fisher information, KVQuant's sensitivity weights. Per full-attenti
 * levels: 1-D k-means of the normalized entries (outliers excluded, clamped to ``[-1, 1]``),
   each weighted by its Fisher information, for keys and for values separately, with the range's
   ends kept as levels (see :func:`weighted_kmeans`).
+
+AQUA-KV (:mod:`kvopt.methods.aquakv`) fits the same quantizers to the residuals its predictors leave.
 """
 
 from __future__ import annotations
@@ -97,23 +99,39 @@ def weighted_kmeans(samples: torch.Tensor, weights: torch.Tensor, count: int) ->
     return levels
 
 
-def fit_layer(captured: dict[str, torch.Tensor], bits: int, sparse: int, outliers: float, sinks: int,
-              group: int) -> LayerCodec:  # fmt: skip
-    """One layer's :class:`LayerCodec` from its captured keys, values and Fisher weights."""
-    tokens = (captured["keys"].shape[1] - sinks) // group * group
-    keys, values = captured["keys"][:, sinks : sinks + tokens], captured["values"][:, sinks : sinks + tokens]
-    key_fisher = captured["key_fisher"][:, sinks : sinks + tokens]
-    value_fisher = captured["value_fisher"][:, sinks : sinks + tokens]
+def fit_keys(keys: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int, outliers: float,
+             group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Key levels and calibrated per-channel ranges ``(levels, center [H, D], half [H, D])`` from pre-RoPE keys
+    ``[H, T, D]`` (``T`` a multiple of ``group``) and their Fisher weights."""
     quantiles = torch.tensor([outliers / 2, 1 - outliers / 2])
     low, high = torch.quantile(keys.transpose(1, 2), quantiles, dim=-1)  # each [H, D]
     center, half = (high + low) / 2, ((high - low) / 2).clamp_min(1e-6)
     key_index, _ = split_outliers((keys - center[:, None]) / half[:, None], sparse)
     outlier = torch.zeros_like(keys, dtype=torch.bool).scatter_(-1, key_index.long(), True)
     normalized = in_ranges(keys, *key_ranges(keys, outlier, group), group)
-    key_levels = _levels(normalized, key_index, key_fisher, bits)
-    value_normalized, value_index, _, _ = value_ranges(values, sparse)
-    value_levels = _levels(value_normalized, value_index, value_fisher, bits)
-    return LayerCodec(bits, sparse, key_levels, value_levels, center, half)
+    return _levels(normalized, key_index, fisher, bits), center, half
+
+
+def fit_values(values: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int) -> torch.Tensor:
+    """Value levels from values ``[H, T, D]`` and their Fisher weights."""
+    normalized, index, _, _ = value_ranges(values, sparse)
+    return _levels(normalized, index, fisher, bits)
+
+
+def trimmed(captured: dict[str, torch.Tensor], sinks: int, group: int) -> dict[str, torch.Tensor]:
+    """The captured tensors without the first ``sinks`` tokens (kept at full precision at run time), cut to
+    whole groups of ``group`` tokens."""
+    tokens = (captured["keys"].shape[1] - sinks) // group * group
+    return {name: tensor[:, sinks : sinks + tokens] for name, tensor in captured.items()}
+
+
+def fit_layer(captured: dict[str, torch.Tensor], bits: int, sparse: int, value_sparse: int, outliers: float,
+              sinks: int, group: int) -> LayerCodec:  # fmt: skip
+    """One layer's :class:`LayerCodec` from its captured keys, values and Fisher weights."""
+    used = trimmed(captured, sinks, group)
+    key_levels, center, half = fit_keys(used["keys"], used["key_fisher"], bits, sparse, outliers, group)
+    value_levels = fit_values(used["values"], used["value_fisher"], bits, value_sparse)
+    return LayerCodec(bits, sparse, value_sparse, key_levels, value_levels, center, half)
 
 
 def _levels(normalized: torch.Tensor, outlier_index: torch.Tensor, fisher: torch.Tensor, bits: int) -> torch.Tensor:
@@ -122,12 +140,13 @@ def _levels(normalized: torch.Tensor, outlier_index: torch.Tensor, fisher: torch
     return weighted_kmeans(normalized[~outlier].clamp(-1, 1), fisher[~outlier], 1 << bits)
 
 
-def calibrate(model, ids: torch.Tensor, bits: int, outliers: float, sinks: int, group: int) -> list[LayerCodec | None]:
+def calibrate(model, ids: torch.Tensor, bits: int, outliers: float, value_outliers: float, sinks: int,
+              group: int) -> list[LayerCodec | None]:  # fmt: skip
     """A :class:`LayerCodec` per layer (None for sliding-window layers, which stay at full precision)."""
     info = ModelInfo.from_config(model.config)
-    sparse = sparse_count(outliers, info.head_dim)
+    sparse, value_sparse = sparse_count(outliers, info.head_dim), sparse_count(value_outliers, info.head_dim)
     captured = capture(model, ids)
     return [
-        None if window is not None else fit_layer(captured[layer], bits, sparse, outliers, sinks, group)
+        None if window is not None else fit_layer(captured[layer], bits, sparse, value_sparse, outliers, sinks, group)
         for layer, window in enumerate(info.sliding_windows)
     ]
