@@ -7,7 +7,8 @@ Steps: load time (cold conversion vs warm), speed/memory bench (median of repeat
 plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
-speculative decoding (benchmarks/speculative.py), then the report with plots into benchmarks/report/.
+speculative decoding (benchmarks/speculative.py), 2-bit KV (benchmarks/twobit.py), then the report with plots
+into benchmarks/report/.
 Every step's rows are committed in benchmarks/results/.
 """
 
@@ -30,6 +31,7 @@ import serving
 import speculative
 import tiers
 import torch
+import twobit
 import transformers
 
 from kvopt.eval.bench import run_bench
@@ -120,7 +122,8 @@ def main() -> None:
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument(
         "--steps",
-        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative",
+        default="load,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
+        "twobit",
         help="comma-separated subset of the default (or none: compose BENCHMARKS.md from the committed rows)",
     )  # fmt: skip
     args = parser.parse_args()
@@ -193,6 +196,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
+    if "twobit" in steps:  # 2-bit KV: retrieval, perplexity, bytes and decode speed (benchmarks/results/twobit.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py")], check=True)
     compose(args, load_timings(args.results))
 
 
@@ -375,7 +380,8 @@ def compose(args, timings: dict[str, float]) -> None:
     report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", r"](benchmarks/report/\1)", report)
     (report_dir / "REPORT.md").unlink()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *tiers.section(), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *tiers.section(), *committed_section(speculative),
+             *committed_section(twobit)]  # fmt: skip
     body, kept = report + "\n".join(extra), []
     if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)

@@ -84,14 +84,19 @@ def test_key_quantizer_matches_a_slow_reference(bits, sparse):
             for channel in range(16):
                 kept = [group[t, channel].item() for t in range(3) if not outlier[t, channel]]
                 low, high = (min(kept), max(kept)) if kept else (0.0, 0.0)
-                center = torch.tensor((high + low) / 2).half().float()
-                half = torch.tensor((high - low) / 2 if high > low else 1.0).half().float()
+                # the range's ends, rounded outward to 255 steps of the envelope: 2 calibrated half-ranges each side
+                calibrated_center, calibrated_half = codec.key_center[head, channel], codec.key_half[head, channel]
+                start, step = calibrated_center - 2 * calibrated_half, 4 * calibrated_half / 255
+                low_code = min(max(math.floor((low - start) / step), 0), 255)
+                high_code = max(min(max(math.ceil((high - start) / step), 0), 255), low_code)
+                low, high = start + low_code * step, start + high_code * step
+                center, half = (high + low) / 2, (high - low) / 2
                 for token in range(3):
                     value = group[token, channel]
                     if outlier[token, channel]:
                         expected = value.half().float()  # outliers are stored in fp16
                     else:
-                        level = reference_vector(((value - center) / half)[None], codec.key_levels, 0)[0]
+                        level = reference_vector(((value - center) / (half if half > 0 else 1))[None], codec.key_levels, 0)[0]
                         expected = level * half + center
                     torch.testing.assert_close(decoded[0, head, first + token, channel], expected, atol=1e-5, rtol=1e-5)
 
@@ -108,8 +113,8 @@ def test_value_quantizer_matches_a_slow_reference(bits, sparse):
             exact = (vector - vector.mean()).abs().topk(sparse).indices if sparse else torch.tensor([], dtype=torch.long)
             rest = torch.ones(16, dtype=torch.bool)
             rest[exact] = False
-            low, high = vector[rest].min(), vector[rest].max()
-            center, half = ((high + low) / 2).half().float(), ((high - low) / 2).half().float()
+            low, high = vector[rest].min().half().float(), vector[rest].max().half().float()  # fp16 ends
+            center, half = (high + low) / 2, (high - low) / 2
             expected = reference_vector((vector - center) / half, codec.value_levels, 0) * half + center
             expected[exact] = vector[exact].half().float()
             torch.testing.assert_close(decoded[0, head, token], expected, atol=1e-4, rtol=1e-4)
@@ -151,9 +156,24 @@ def test_unrotated_keys_are_the_projections_output_and_rotate_back_exactly(kind)
         post = cache.layers[layer].store.keys.float()
         positions = torch.arange(300, dtype=torch.int32)[None, None]
         table = prerope.RopeTable(prerope.rope_inv_freq(model.config, layer, 16))
-        unrotated = prerope.rotate(post, positions, table, inverse=True)
+        unrotated = prerope.rotate(prerope.to_pairs(post, table), positions, table, inverse=True)
         torch.testing.assert_close(unrotated[0], pre[layer]["keys"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(prerope.rotate(unrotated, positions, table), post, atol=1e-5, rtol=1e-5)
+        rotated = prerope.from_pairs(prerope.rotate(unrotated, positions, table), table)
+        torch.testing.assert_close(rotated, post, atol=1e-5, rtol=1e-5)
+
+
+def test_rotation_in_pair_order_is_ropes_half_split_rotation():
+    """Slow and obviously right: channel i and i + D/2 rotate by position x inv_freq[i] (HF's rotate_half RoPE)."""
+    table = prerope.RopeTable(torch.tensor([1.0, 0.1, 0.01, 0.001]))
+    keys, positions = torch.randn(1, 2, 5, 8), torch.tensor([[[0, 3, 7, 100, 4000]]], dtype=torch.int32)
+    expected = torch.empty_like(keys)
+    for t, position in enumerate(positions[0, 0].tolist()):
+        for i, frequency in enumerate(table.inv_freq.tolist()):
+            angle = torch.tensor(position * frequency, dtype=torch.float64)
+            a, b = keys[0, :, t, i].double(), keys[0, :, t, i + 4].double()
+            expected[0, :, t, i], expected[0, :, t, i + 4] = a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()
+    rotated = prerope.from_pairs(prerope.rotate(prerope.to_pairs(keys, table), positions, table), table)
+    torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_storage_with_every_entry_exact_gives_back_the_post_rope_keys():
@@ -237,7 +257,7 @@ def test_a_batch_equals_its_rows_alone(spec):
     torch.testing.assert_close(outputs[0], torch.cat(outputs[1:]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["kvquant:bits=4,residual=16,group=16,calibration=96,sinks=0", f"{AQUA},sinks=0"])
+@pytest.mark.parametrize("spec", [f"{name}:bits=4,residual=16,group=16,calibration=96,sinks=0" for name in ("kvquant", "aquakv")])
 def test_left_padded_rows_use_their_own_rope_positions(spec):
     """A left-padded row is un-rotated at HF generate's positions (from its first real token): it generates
     what it generates alone."""

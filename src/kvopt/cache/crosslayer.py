@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.cache.quant import workspace
+
 
 @dataclass
 class LayerPredictor:
@@ -30,26 +32,38 @@ class LayerPredictor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.key_weight, self.value_weight))
 
-    def keys(self, source_keys: torch.Tensor) -> torch.Tensor:
-        """Predicted pre-RoPE keys ``[B, H, T, D]`` from the source layer's ``[B, S, T, D]``."""
-        return _affine([source_keys], self.key_weight)
+    def keys(self, source_keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted pre-RoPE keys ``[B, H, T, D]`` from the source layer's ``[B, S, T, D]`` (added to ``out``
+        in place when given)."""
+        return affine([source_keys], self.key_weight, out)
 
-    def values(self, keys: torch.Tensor, source_values: torch.Tensor) -> torch.Tensor:
-        """Predicted values ``[B, H, T, D]`` from this layer's keys ``[B, H, T, D]`` and the source's values."""
-        return _affine([keys, source_values], self.value_weight)
+    def values(self, keys: torch.Tensor, source_values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted values ``[B, H, T, D]`` from this layer's keys ``[B, H, T, D]`` and the source's values (added
+        to ``out`` in place when given)."""
+        return affine([keys, source_values], self.value_weight, out)
 
 
-def _affine(inputs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
-    """``[inputs (heads concatenated per token), 1] @ weight`` as ``[B, H, T, D]`` (a view of ``[B, T, H * D]``)."""
+def affine(inputs: list[torch.Tensor], weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[inputs (heads concatenated per token), 1] @ weight`` as ``[B, H, T, D]``, into a new tensor or added to
+    ``out`` (contiguous): one matrix product per batch row and output head, written in place."""
     batch, _, tokens, dim = inputs[0].shape
-    out = weight[-1].expand(batch * tokens, -1).clone()  # the bias row
-    row = 0
-    for x in inputs:
-        width = x.shape[1] * dim
-        flat = x.float().transpose(1, 2).reshape(batch * tokens, width)  # [B * T, heads * D], head-major per token
-        out.addmm_(flat, weight[row : row + width])
-        row += width
-    return out.view(batch, tokens, -1, dim).transpose(1, 2)
+    width = sum(x.shape[1] for x in inputs) * dim
+    features = workspace("crosslayer:features", [batch, tokens, width], torch.float32, inputs[0].device)
+    column = 0
+    for x in inputs:  # [B, h, T, D] -> columns of [B, T, h * D], head-major per token
+        features[:, :, column : column + x.shape[1] * dim].view(batch, tokens, x.shape[1], dim).copy_(x.transpose(1, 2))
+        column += x.shape[1] * dim
+    heads = weight.shape[1] // dim
+    accumulate = out is not None
+    out = torch.empty(batch, heads, tokens, dim, device=features.device) if out is None else out
+    for row in range(batch):
+        for head in range(heads):
+            columns = slice(head * dim, (head + 1) * dim)
+            if accumulate:
+                out[row, head].addmm_(features[row], weight[:-1, columns]).add_(weight[-1, columns])
+            else:
+                torch.addmm(weight[-1, columns], features[row], weight[:-1, columns], out=out[row, head])
+    return out
 
 
 def fit_affine(inputs: torch.Tensor, targets: torch.Tensor, ridge: float) -> torch.Tensor:

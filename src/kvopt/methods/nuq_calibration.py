@@ -21,14 +21,8 @@ import math
 
 import torch
 
-from kvopt.cache.nonuniform import (
-    LayerCodec,
-    in_ranges,
-    key_ranges,
-    nearest_level,
-    split_outliers,
-    value_ranges,
-)
+from kvopt.cache.nonuniform import LayerCodec, nearest_level, normalize_keys, normalized, value_ranges
+from kvopt.cache.prerope import RopeTable, rope_inv_freq, to_pairs
 from kvopt.models.info import ModelInfo
 
 KMEANS_ITERATIONS = 40
@@ -46,8 +40,9 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def capture(model, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """Per layer: pre-RoPE ``keys`` and ``values`` ``[H, T, D]`` (fp32, times RoPE's attention scaling like
-    the stored keys) with the squared loss gradients ``key_fisher`` / ``value_fisher`` of one sequence ``ids [1, T]``."""
+    """Per layer: pre-RoPE ``keys`` (in pair order, :func:`~kvopt.cache.prerope.to_pairs`) and ``values`` ``[H, T, D]``
+    (fp32, keys times RoPE's attention scaling like the stored keys) with the squared loss gradients
+    ``key_fisher`` / ``value_fisher`` of one sequence ``ids [1, T]``."""
     info = ModelInfo.from_config(model.config)
     leaves: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -76,8 +71,11 @@ def capture(model, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(info.num_layers)]
     as_heads = lambda t: t.detach().float().reshape(t.shape[0], t.shape[1], info.num_kv_heads, -1)[0].transpose(0, 1)
     for (layer, name), grad in zip(names, grads):
-        layers[layer][name] = as_heads(leaves[(layer, name)]) * (scaling if name == "keys" else 1.0)
-        layers[layer][name.rstrip("s") + "_fisher"] = as_heads(grad).square()
+        tensor, fisher = as_heads(leaves[(layer, name)]), as_heads(grad).square()
+        if name == "keys":  # in the pair order the stores keep pre-RoPE keys in
+            table = RopeTable(rope_inv_freq(model.config, layer, info.head_dim))
+            tensor, fisher = to_pairs(tensor * scaling, table), to_pairs(fisher, table)
+        layers[layer][name], layers[layer][name.rstrip("s") + "_fisher"] = tensor, fisher
     return layers
 
 
@@ -106,16 +104,15 @@ def fit_keys(keys: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int, o
     quantiles = torch.tensor([outliers / 2, 1 - outliers / 2])
     low, high = torch.quantile(keys.transpose(1, 2), quantiles, dim=-1)  # each [H, D]
     center, half = (high + low) / 2, ((high - low) / 2).clamp_min(1e-6)
-    key_index, _ = split_outliers((keys - center[:, None]) / half[:, None], sparse)
-    outlier = torch.zeros_like(keys, dtype=torch.bool).scatter_(-1, key_index.long(), True)
-    normalized = in_ranges(keys, *key_ranges(keys, outlier, group), group)
-    return _levels(normalized, key_index, fisher, bits), center, half
+    provisional = LayerCodec(bits, sparse, 0, torch.empty(0), torch.empty(0), center, half)  # ranges only
+    stored, normalized = normalize_keys(keys[None], provisional, group)
+    return _levels(normalized[0], stored.sparse_index[0], fisher, bits), center, half
 
 
 def fit_values(values: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int) -> torch.Tensor:
     """Value levels from values ``[H, T, D]`` and their Fisher weights."""
-    normalized, index, _, _ = value_ranges(values, sparse)
-    return _levels(normalized, index, fisher, bits)
+    index, lower, upper = value_ranges(values, sparse)
+    return _levels(normalized(values, lower, upper), index, fisher, bits)
 
 
 def trimmed(captured: dict[str, torch.Tensor], sinks: int, group: int) -> dict[str, torch.Tensor]:
