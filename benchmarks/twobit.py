@@ -161,7 +161,8 @@ def render(rows: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spec, row in summary.items():
-        kept = f"{row['accuracy'] / full['accuracy']:.0%}" if full and full["accuracy"] and row["accuracy"] is not None else "-"
+        scored = full and full["accuracy"] and row["accuracy"] is not None
+        kept = f"{row['accuracy'] / full['accuracy']:.0%}" if scored else "-"
         gap = f"{row['ppl'] / full['ppl'] - 1:+.1%}" if full and row["ppl"] and full["ppl"] else "-"
         per_token = row["bytes_per_token_fp16_4k"]
         ratio = f"{per_token / fp16:.3f}x" if per_token and fp16 else "-"

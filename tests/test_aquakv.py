@@ -36,11 +36,12 @@ def reference_reconstruction(method, model, post_keys: list, values: list, first
         pre = prerope.rotate(prerope.to_pairs(keys[None], table), positions, table, inverse=True)[0]
         predictor = method.predictors[layer]
         codec = method.residual_codecs[layer] if predictor is not None else method.codecs[layer]
-        predicted_keys = slow_affine(predictor.key_weight, [below[0]]) if predictor is not None else torch.zeros_like(pre)
+        predicted_keys = torch.zeros_like(pre) if predictor is None else slow_affine(predictor.key_weight, [below[0]])
         rebuilt_keys = predicted_keys + decode_keys(encode_keys((pre - predicted_keys)[None], codec, group), codec)[0]
-        predicted_values = (slow_affine(predictor.value_weight, [rebuilt_keys, below[1]]) if predictor is not None
-                            else torch.zeros_like(vals))  # fmt: skip
-        rebuilt_values = predicted_values + decode_values(encode_values((vals - predicted_values)[None], codec), codec)[0]
+        predicted_values = (torch.zeros_like(vals) if predictor is None
+                            else slow_affine(predictor.value_weight, [rebuilt_keys, below[1]]))  # fmt: skip
+        residual = encode_values((vals - predicted_values)[None], codec)
+        rebuilt_values = predicted_values + decode_values(residual, codec)[0]
         below = rebuilt_keys, rebuilt_values
         out.append((prerope.from_pairs(prerope.rotate(rebuilt_keys[None], positions, table), table)[0], rebuilt_values))
     return out

@@ -391,8 +391,9 @@ class NonUniformKV:
         if new is None or kept is None:
             self.memo = None if new is None else Reconstruction(self.keys.codes, held, new.keys, new.values)
         else:
-            joined = (torch.cat([old, added], dim=2) for old, added in zip(kept.slice(kept.first, held), (new.keys, new.values)))
-            self.memo = Reconstruction(self.keys.codes, kept.first, *joined)
+            old_keys, old_values = kept.slice(kept.first, held)
+            keys, values = torch.cat([old_keys, new.keys], dim=2), torch.cat([old_values, new.values], dim=2)
+            self.memo = Reconstruction(self.keys.codes, kept.first, keys, values)
 
     def nbytes(self) -> int:
         held = self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
@@ -432,7 +433,8 @@ class NonUniformKV:
         """``pre_rope`` keys of tokens ``start:stop`` rotated to their RoPE positions, in pair order (into a
         workspace when named)."""
         positions = prerope.rope_positions(self.index.span(start, stop)[0], self.offsets)
-        out = None if into is None else workspace(f"{into}:rotated", list(pre_rope.shape), torch.float32, pre_rope.device)
+        shape = list(pre_rope.shape)
+        out = None if into is None else workspace(f"{into}:rotated", shape, torch.float32, pre_rope.device)
         return prerope.rotate(pre_rope, positions, self.rope, out=out)
 
     def release(self) -> None:

@@ -111,7 +111,8 @@ def from_pairs(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
 
 
 def rotate(
-    keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False, out: torch.Tensor | None = None,
+    keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``keys [B, H, T, D]`` in pair order (:func:`to_pairs`) rotated to RoPE ``positions [B, 1 or H, T]``
     (``inverse``: un-rotated), in fp32 (written into ``out`` when given, which must not overlap ``keys``).

@@ -72,7 +72,7 @@ class AquaKV(KVQuant):
     # -- calibration ----------------------------------------------------------------------------
     def calibrate(self, model, ids: torch.Tensor) -> None:
         info = ModelInfo.from_config(model.config)
-        sparse, value_sparse = sparse_count(self.outliers, info.head_dim), sparse_count(self.value_outliers, info.head_dim)
+        sparse, value_sparse = (sparse_count(share, info.head_dim) for share in (self.outliers, self.value_outliers))
         chain = fit_chain(capture(model, ids), info.sliding_windows, self, sparse, value_sparse)
         self.codecs, self.residual_codecs, self.predictors = chain
 

@@ -105,8 +105,8 @@ def fit_keys(keys: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int, o
     low, high = torch.quantile(keys.transpose(1, 2), quantiles, dim=-1)  # each [H, D]
     center, half = (high + low) / 2, ((high - low) / 2).clamp_min(1e-6)
     provisional = LayerCodec(bits, sparse, 0, torch.empty(0), torch.empty(0), center, half)  # ranges only
-    stored, normalized = normalize_keys(keys[None], provisional, group)
-    return _levels(normalized[0], stored.sparse_index[0], fisher, bits), center, half
+    stored, scaled = normalize_keys(keys[None], provisional, group)
+    return _levels(scaled[0], stored.sparse_index[0], fisher, bits), center, half
 
 
 def fit_values(values: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int) -> torch.Tensor:
