@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvopt.models.forward import cache_kwargs
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "codec.jsonl"
 METHODS = ("full", "snapkv:ratio=0.75", "kivi:bits=4")
@@ -62,7 +64,7 @@ def held_out_nll(model, cache, held: torch.Tensor, chunk: int) -> float:
     for start in range(0, held.numel() - 1, chunk):
         piece = held[start : start + chunk]
         targets = held[start + 1 : start + 1 + piece.numel()]
-        logits = model(input_ids=piece[None], past_key_values=cache, use_cache=True).logits[0, : targets.numel()]
+        logits = model(input_ids=piece[None], **cache_kwargs(model, cache), use_cache=True).logits[0, : targets.numel()]
         total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         count += targets.numel()
     return total / count
@@ -101,7 +103,7 @@ def run(methods: list[str], prompt_tokens: int, held_out: int, chunk: int, repea
         cache = kvopt.cache(method, model)
         started = time.perf_counter()
         with torch.inference_mode():
-            model(prompt[None], past_key_values=cache)
+            model(prompt[None], **cache_kwargs(model, cache))
         prefill_ms = (time.perf_counter() - started) * 1000  # what loading a saved cache saves
         kv_fp16_saving = float_kv_elements(cache, model) * 2  # bytes fp32 keys/values would lose in fp16
         files, encode_ms, decode_ms = {}, {}, {}

@@ -8,7 +8,8 @@ Steps: load time (cold conversion vs warm), speed/memory bench (median of repeat
 plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
-speculative decoding (benchmarks/speculative.py), then the report with plots into benchmarks/report/.
+speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
+(benchmarks/twobit.py), then the report with plots into benchmarks/report/.
 Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
 benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
 "What holds on both models" summary (benchmarks/both_models.py).
@@ -29,11 +30,13 @@ from pathlib import Path
 
 import both_models
 import codec
+import frontier
 import load
 import serving
 import speculative
 import tiers
 import torch
+import twobit
 import transformers
 
 from kvopt.eval.bench import run_bench
@@ -75,7 +78,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
-    "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative"
+    "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
+    "frontier,twobit"
 )
 SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
@@ -223,6 +227,10 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py")], check=True)
     if "speculative" in steps:  # decode speed with and without speculation (benchmarks/results/speculative.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--repeats", "3"], check=True)
+    if "frontier" in steps:  # fastkv prefill, rocketkv decode, streaming, shallowzip (benchmarks/results/frontier.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontier.py")], check=True)
+    if "twobit" in steps:  # 2-bit KV: retrieval, perplexity, bytes and decode speed (benchmarks/results/twobit.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py")], check=True)
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -459,7 +467,8 @@ def compose(args) -> None:
     report = model_report(args.results, report_dir, TITLE.removeprefix("# "))
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
-             *committed_section(codec), *committed_section(tiers), *committed_section(speculative)]  # fmt: skip
+             *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
+             *committed_section(frontier), *committed_section(twobit)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []

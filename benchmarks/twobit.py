@@ -1,4 +1,4 @@
-"""2-bit KV that keeps its answers: kvquant / kivi / full on retrieval, perplexity, bytes and decode speed.
+"""2-bit KV that keeps its answers: kvquant / aquakv / kivi / HF quanto / full on retrieval, perplexity, bytes, speed.
 
 One run on the default model (issue 17): passkey, niah and niah_multivalue at 2k and 4k tokens
 (8 needle depths each, query-agnostic: the context is compressed before the question is seen),
@@ -6,8 +6,10 @@ streaming perplexity over 4,096 tokens of local real text, through kvopt's evalu
 (:func:`kvopt.eval.runner.run_eval`; contenders interleaved prompt by prompt, each kvopt contender
 replaying one shared prefill). Then decode tok/s at 8k for the 2-bit methods, interleaved and
 repeated (median kept). Bytes per token come from the memory calculator at 4,096 tokens for an
-fp16 cache (what ``kvopt memory --method`` prints) next to the bytes the runs really held. One
-thread; the machine is shared, so the rows say so and only ratios between interleaved runs mean much.
+fp16 cache (what ``kvopt memory --method`` prints) next to the bytes the runs really held (peak over
+each 4k prompt, question and answer included, as a share of full's; the model runs in fp32). Per-model
+bytes (levels, key envelopes, RoPE tables, aquakv's predictors) are listed apart. One thread; the
+machine is shared, so the rows say so and only ratios between interleaved runs mean much.
 
 Rows go to ``benchmarks/results/twobit.jsonl`` (the raw evaluation rows, then one ``summary`` row per
 method and one ``decode`` row per method); :func:`render` writes the BENCHMARKS.md section.
@@ -79,6 +81,10 @@ def decode_speed(model, tokenizer, specs: list[str], length: int, new_tokens: in
     from kvopt.eval.decoding import forward, shared_prefill
     from kvopt.eval.tasks.text import real_text
 
+    from kvopt.models.info import ModelInfo
+
+    limit = ModelInfo.from_config(model.config).max_positions
+    length = min(length, limit - new_tokens) if limit else length  # the decoded tokens fit the context
     ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"][:length]
     shared = shared_prefill(model, ids)
     times: dict[str, list[float]] = {spec: [] for spec in specs}
@@ -105,6 +111,8 @@ def summaries(rows: list[dict], model, extras: dict[str, dict]) -> list[dict]:
         mine = [row for row in rows if row["method"] == spec]
         scored = [row for row in mine if row["task"] != "ppl"]
         ppl = next((row for row in mine if row["task"] == "ppl"), None)
+        longest = max((row["length"] for row in scored), default=None)
+        held = [row["kv_bytes_peak"] / row["kv_bytes_full"] for row in scored if row["length"] == longest]
         cells = {}
         for row in scored:
             cells.setdefault(f"{row['task']}@{row['length']}", []).append(row["score"])
@@ -117,6 +125,7 @@ def summaries(rows: list[dict], model, extras: dict[str, dict]) -> list[dict]:
             "kv_bytes_end_ppl": ppl["kv_bytes_end"] if ppl else None,
             "kv_bytes_full_ppl": ppl["kv_bytes_full"] if ppl else None,
             "bytes_per_token_fp16_4k": bytes_per_token(model, spec, 4096),
+            "held_x_full": round(statistics.mean(held), 4) if held else None, "held_at": longest,
             **extras.get(spec, {}),
         })  # fmt: skip
     return out
@@ -132,7 +141,7 @@ def render(rows: list[dict]) -> str:
     full = summary.get("full")
     fp16 = full["bytes_per_token_fp16_4k"] if full else None
     lines = [
-        "## 2-bit KV: kvquant (pre-RoPE keys, non-uniform levels, exact outliers)",
+        "## 2-bit KV: kvquant and aquakv (pre-RoPE keys, non-uniform levels, exact outliers, cross-layer prediction)",
         "",
         (
             f"`python benchmarks/twobit.py`: {meta['model']}, {', '.join(meta['tasks'])} at "
@@ -140,28 +149,34 @@ def render(rows: list[dict]) -> str:
             f"(needle depths), query-agnostic; streaming perplexity over {meta['ppl_tokens']} tokens of "
             f"{meta['text_source']} in chunks of {meta['ppl_chunk']}; {meta['conditions']}. "
             "Kept = share of full's answers kept (accuracy / full's accuracy). Bytes per token: `kvopt memory` "
-            "at 4,096 tokens for an fp16 cache (residual and sinks included; the per-model levels and key "
-            f"ranges are listed apart). {meta.get('notes', '')}"
+            "at 4,096 tokens for an fp16 cache (residual and sinks included); held = peak bytes really held on "
+            "the longest prompts (question and answer included) as a share of full's; per model = levels, key "
+            f"envelopes, RoPE tables and predictors, held once per model. {meta.get('notes', '')}"
         ),
         "",
         (
-            "| method | accuracy | kept | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | calibration | decode tok/s @ "
-            f"{meta.get('decode_length', '-')} |"
+            "| method | accuracy | kept | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | held | per model | "
+            f"calibration | decode tok/s @ {meta.get('decode_length', '-')} |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spec, row in summary.items():
-        kept = f"{row['accuracy'] / full['accuracy']:.0%}" if full and full["accuracy"] and row["accuracy"] is not None else "-"
+        scored = full and full["accuracy"] and row["accuracy"] is not None
+        kept = f"{row['accuracy'] / full['accuracy']:.0%}" if scored else "-"
         gap = f"{row['ppl'] / full['ppl'] - 1:+.1%}" if full and row["ppl"] and full["ppl"] else "-"
         per_token = row["bytes_per_token_fp16_4k"]
         ratio = f"{per_token / fp16:.3f}x" if per_token and fp16 else "-"
         calibration = f"{row['calibration_s']:.1f} s" if row.get("calibration_s") is not None else "-"
-        speed = f"{decode[spec]['decode_tok_s']:.1f}" if spec in decode else "-"
+        speed = f"{decode[spec]['decode_tok_s']:.2f}" if spec in decode else "-"
+        if spec in decode and "kivi:bits=2" in decode and spec != "kivi:bits=2":
+            speed += f" ({decode[spec]['decode_tok_s'] / decode['kivi:bits=2']['decode_tok_s']:.2f}x kivi)"
         accuracy = f"{row['accuracy']:.0%}" if row["accuracy"] is not None else "-"
+        held = f"{row['held_x_full']:.3f}x" if row.get("held_x_full") is not None else "-"
+        model_bytes = f"{row['model_bytes'] / 1e6:.1f} MB" if row.get("model_bytes") else "-"
+        per_token = f"{per_token:.0f}" if per_token else "-"
         lines.append(
-            f"| `{spec}` | {accuracy} | {kept} | {row['ppl'] or '-'} | {gap} | "
-            f"{per_token:.0f} | {ratio} | {calibration} | {speed} |" if per_token else
-            f"| `{spec}` | {accuracy} | {kept} | {row['ppl'] or '-'} | {gap} | - | - | {calibration} | {speed} |"
+            f"| `{spec}` | {accuracy} | {kept} | {row['ppl'] or '-'} | {gap} | {per_token} | {ratio} | {held} | "
+            f"{model_bytes} | {calibration} | {speed} |"
         )
     cells = sorted({key for row in summary.values() for key in row["cells"]})
     lines += ["", "| method | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
@@ -211,7 +226,8 @@ def main() -> None:
     meta = {
         "kind": "meta", "model": "SmolLM2-135M-Instruct", "tasks": sorted({r["task"] for r in rows} - {"ppl"}),
         "lengths": sorted({r["length"] for r in rows if r["task"] != "ppl"}), "prompts_per_cell": args.depths, "ppl_tokens": args.ppl_tokens, "ppl_chunk": args.ppl_chunk,
-        "text_source": real_text()[1].split(":")[0], "conditions": CONDITIONS, "decode_length": args.decode_length,
+        "text_source": real_text()[1].split(":")[0], "conditions": CONDITIONS,
+        "decode_length": decode[0]["length"] if decode else args.decode_length,
         "eval_s": round(eval_s, 1), "notes": " ".join(notes), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     out = [meta, *rows, *summaries(rows, model, extras), *[{**row, "conditions": CONDITIONS} for row in decode]]

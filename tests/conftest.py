@@ -35,6 +35,24 @@ def random_batch(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def generate_rows_alone(model, spec: str, lengths: list[int], seed: int, new_tokens: int = 8):
+    """Left-padded rows generated as one batch and each alone through ``spec`` caches; asserts every row's new
+    tokens equal its lone run's. Returns ``(batch cache, lone caches, width)`` for the caller's storage checks."""
+    import kvopt
+
+    ids, mask = random_batch(lengths, seed=seed)
+    width = ids.shape[1]
+    steps = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    cache = kvopt.cache(spec, model)
+    batch_out = model.generate(ids, attention_mask=mask, past_key_values=cache, **steps)
+    alone = []
+    for row, length in enumerate(lengths):
+        alone.append(kvopt.cache(spec, model))
+        single = model.generate(ids[row : row + 1, width - length :], past_key_values=alone[-1], **steps)
+        assert torch.equal(batch_out[row, width:], single[0, length:]), f"row {row}"
+    return cache, alone, width
+
+
 @pytest.fixture(scope="session")
 def tiny_with_tokenizer():
     """A tiny random llama sized to the default model's real tokenizer (prompts need real text)."""

@@ -21,7 +21,7 @@ EVICTIONS = [f"{cls.name}:ratio=0.5" for cls in available() if evicts(cls)] + [
 #: The methods that move tokens out of the dense store, with settings that make them act on a short prompt.
 QUANTIZERS = [
     "kivi:bits=2,residual=32", "tokenquant:bits=4,group=16,residual=16", "mixedkv:residual=32", "minikv:residual=32",
-    "kvquant:residual=32,group=16,calibration=96",
+    "kvquant:residual=32,group=16,calibration=96", "aquakv:residual=32,group=16,calibration=96",
 ]  # fmt: skip
 MOVERS = [*QUANTIZERS, "minicache:start=0.3"]
 #: The pairs that work: prefill-time eviction in the dense store, then quantization; merging after an
@@ -59,7 +59,7 @@ def test_pair_holds_its_bound_or_is_refused(model, eviction, mover):
     for method in methods:
         if method.name == "minikv":
             method.layer_bits = [4, 2, 2]  # what a calibration would give (the tiny model has no tokenizer)
-        if method.name == "kvquant":  # calibrated on random ids (the tiny model has no tokenizer)
+        if method.name in ("kvquant", "aquakv"):  # calibrated on random ids (the tiny model has no tokenizer)
             method.fit(model, torch.randint(3, VOCAB, (1, method.calibration), generator=torch.Generator().manual_seed(1)))
     cache = kvopt.cache(methods, model)
     ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(0))

@@ -26,6 +26,7 @@ from kvopt.methods.nuq_calibration import capture
 from kvopt.methods.recording import record_prefill
 
 SMALL = "kvquant:bits=2,residual=16,group=16,calibration=96"
+AQUA = SMALL.replace("kvquant", "aquakv")
 
 
 def fitted(spec: str, model, seed: int = 0):
@@ -43,7 +44,7 @@ def random_codec(bits: int, sparse: int, heads: int = 2, dim: int = 16) -> Layer
     levels = lambda: torch.rand(1 << bits, generator=generator).mul(2).sub(1).sort().values
     center = torch.randn(heads, dim, generator=generator)
     half = torch.rand(heads, dim, generator=generator) + 0.5
-    return LayerCodec(bits, sparse, levels(), levels(), center, half)
+    return LayerCodec(bits, sparse, sparse, levels(), levels(), center, half)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -83,14 +84,20 @@ def test_key_quantizer_matches_a_slow_reference(bits, sparse):
             for channel in range(16):
                 kept = [group[t, channel].item() for t in range(3) if not outlier[t, channel]]
                 low, high = (min(kept), max(kept)) if kept else (0.0, 0.0)
-                center = torch.tensor((high + low) / 2).half().float()
-                half = torch.tensor((high - low) / 2 if high > low else 1.0).half().float()
+                # the range's ends, rounded outward to 255 steps of the envelope: 2 calibrated half-ranges each side
+                calibrated_center, calibrated_half = codec.key_center[head, channel], codec.key_half[head, channel]
+                start, step = calibrated_center - 2 * calibrated_half, 4 * calibrated_half / 255
+                low_code = min(max(math.floor((low - start) / step), 0), 255)
+                high_code = max(min(max(math.ceil((high - start) / step), 0), 255), low_code)
+                low, high = start + low_code * step, start + high_code * step
+                center, half = (high + low) / 2, (high - low) / 2
                 for token in range(3):
                     value = group[token, channel]
                     if outlier[token, channel]:
                         expected = value.half().float()  # outliers are stored in fp16
                     else:
-                        level = reference_vector(((value - center) / half)[None], codec.key_levels, 0)[0]
+                        scaled = (value - center) / (half if half > 0 else 1)
+                        level = reference_vector(scaled[None], codec.key_levels, 0)[0]
                         expected = level * half + center
                     torch.testing.assert_close(decoded[0, head, first + token, channel], expected, atol=1e-5, rtol=1e-5)
 
@@ -107,8 +114,8 @@ def test_value_quantizer_matches_a_slow_reference(bits, sparse):
             exact = (vector - vector.mean()).abs().topk(sparse).indices if sparse else torch.tensor([], dtype=torch.long)
             rest = torch.ones(16, dtype=torch.bool)
             rest[exact] = False
-            low, high = vector[rest].min(), vector[rest].max()
-            center, half = ((high + low) / 2).half().float(), ((high - low) / 2).half().float()
+            low, high = vector[rest].min().half().float(), vector[rest].max().half().float()  # fp16 ends
+            center, half = (high + low) / 2, (high - low) / 2
             expected = reference_vector((vector - center) / half, codec.value_levels, 0) * half + center
             expected[exact] = vector[exact].half().float()
             torch.testing.assert_close(decoded[0, head, token], expected, atol=1e-4, rtol=1e-4)
@@ -150,9 +157,25 @@ def test_unrotated_keys_are_the_projections_output_and_rotate_back_exactly(kind)
         post = cache.layers[layer].store.keys.float()
         positions = torch.arange(300, dtype=torch.int32)[None, None]
         table = prerope.RopeTable(prerope.rope_inv_freq(model.config, layer, 16))
-        unrotated = prerope.rotate(post, positions, table, inverse=True)
+        unrotated = prerope.rotate(prerope.to_pairs(post, table), positions, table, inverse=True)
         torch.testing.assert_close(unrotated[0], pre[layer]["keys"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(prerope.rotate(unrotated, positions, table), post, atol=1e-5, rtol=1e-5)
+        rotated = prerope.from_pairs(prerope.rotate(unrotated, positions, table), table)
+        torch.testing.assert_close(rotated, post, atol=1e-5, rtol=1e-5)
+
+
+def test_rotation_in_pair_order_is_ropes_half_split_rotation():
+    """Slow and obviously right: channel i and i + D/2 rotate by position x inv_freq[i] (HF's rotate_half RoPE)."""
+    table = prerope.RopeTable(torch.tensor([1.0, 0.1, 0.01, 0.001]))
+    keys, positions = torch.randn(1, 2, 5, 8), torch.tensor([[[0, 3, 7, 100, 4000]]], dtype=torch.int32)
+    expected = torch.empty_like(keys)
+    for t, position in enumerate(positions[0, 0].tolist()):
+        for i, frequency in enumerate(table.inv_freq.tolist()):
+            angle = torch.tensor(position * frequency, dtype=torch.float64)
+            a, b = keys[0, :, t, i].double(), keys[0, :, t, i + 4].double()
+            expected[0, :, t, i] = a * angle.cos() - b * angle.sin()
+            expected[0, :, t, i + 4] = b * angle.cos() + a * angle.sin()
+    rotated = prerope.from_pairs(prerope.rotate(prerope.to_pairs(keys, table), positions, table), table)
+    torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_storage_with_every_entry_exact_gives_back_the_post_rope_keys():
@@ -161,7 +184,8 @@ def test_storage_with_every_entry_exact_gives_back_the_post_rope_keys():
     model = rope_model("llama3")
     cache, _ = record_prefill(model, torch.randint(3, VOCAB, (1, 200)))
     store = cache.layers[1].store
-    codec = LayerCodec(2, 16, torch.linspace(-1, 1, 4), torch.linspace(-1, 1, 4), torch.zeros(2, 16), torch.ones(2, 16))
+    levels = torch.linspace(-1, 1, 4)
+    codec = LayerCodec(2, 16, 16, levels, levels, torch.zeros(2, 16), torch.ones(2, 16))
     keys, values = store.keys[:, :, 100:], store.values[:, :, 100:]
     index = TokenIndex.of(store.positions[:, :, 100:], store.valid[:, :, 100:])
     table = prerope.RopeTable(prerope.rope_inv_freq(model.config, 1, 16))
@@ -217,25 +241,30 @@ def test_sinks_stay_exact_and_fewer_bits_lose_more():
     assert errors[SMALL.replace("bits=2", "bits=4")] < errors[SMALL]
 
 
-def test_a_batch_equals_its_rows_alone():
-    """Nothing is shared across rows (key ranges are calibrated offline, values per token)."""
+@pytest.mark.parametrize("spec", [SMALL, AQUA])
+def test_a_batch_equals_its_rows_alone(spec):
+    """Nothing is shared across rows (key ranges are calibrated offline, values per token, predictions per token),
+    through decoding (one more group quantized)."""
     model = tiny_model("qwen2")
-    methods = fitted(SMALL, model)
-    ids = torch.randint(3, VOCAB, (2, 70))
+    methods = fitted(spec, model)
+    ids = torch.randint(3, VOCAB, (2, 90))
     outputs = []
     for rows in (ids, ids[:1], ids[1:]):
         cache = kvopt.cache(methods, model)
         with torch.no_grad():
             model(rows, past_key_values=cache)
-            outputs.append(model(torch.tensor([[9]] * rows.shape[0]), past_key_values=cache).logits[:, -1])
+            for t in range(20):
+                logits = model(torch.tensor([[9 + t]] * rows.shape[0]), past_key_values=cache).logits[:, -1]
+        outputs.append(logits)
     torch.testing.assert_close(outputs[0], torch.cat(outputs[1:]), atol=1e-5, rtol=1e-5)
 
 
-def test_left_padded_rows_use_their_own_rope_positions():
+@pytest.mark.parametrize("name", ["kvquant", "aquakv"])
+def test_left_padded_rows_use_their_own_rope_positions(name):
     """A left-padded row is un-rotated at HF generate's positions (from its first real token): it generates
     what it generates alone."""
     model = tiny_model("llama")
-    methods = fitted("kvquant:bits=4,residual=16,group=16,calibration=96,sinks=0", model)
+    methods = fitted(f"{name}:bits=4,residual=16,group=16,calibration=96,sinks=0", model)
     short = torch.randint(3, VOCAB, (1, 50))
     long = torch.randint(3, VOCAB, (1, 70))
     padded = torch.cat([torch.zeros(1, 20, dtype=torch.long), short], dim=1)
@@ -251,7 +280,7 @@ def test_outliers_are_counted_in_the_bytes():
     ids = torch.randint(3, VOCAB, (1, 100))
     held = {}
     for outliers in (0.0, 0.0625, 0.25):
-        spec = f"{SMALL},outliers={outliers}"
+        spec = f"{SMALL},outliers={outliers},value_outliers={outliers}"
         cache = kvopt.cache(fitted(spec, model), model)
         with torch.no_grad():
             model(ids, past_key_values=cache)
@@ -265,10 +294,16 @@ def test_outliers_are_counted_in_the_bytes():
 
 
 @pytest.mark.parametrize(
-    "spec", ["kvquant:bits=2", "kvquant:bits=3", "kvquant:bits=4,outliers=0.05", "snapkv:ratio=0.5+kvquant:bits=2"]
+    "spec",
+    [
+        "kvquant:bits=2", "kvquant:bits=3,value_outliers=0.01", "kvquant:bits=4,outliers=0.05",
+        "snapkv:ratio=0.5+kvquant:bits=2", "aquakv:bits=2", "aquakv:bits=3,calibration=512",
+        "snapkv:ratio=0.5+aquakv:bits=2,calibration=512",
+    ],  # fmt: skip
 )
 def test_theoretical_size_matches_the_measured_bytes_within_two_percent(spec):
-    """`kvopt memory --method` counts codes, outliers, value ranges, sinks, positions and the residual."""
+    """`kvopt memory --method` counts codes, outliers, value ranges, sinks, positions and the residual (aquakv's
+    predictors are per model: a token takes kvquant's bytes)."""
     from kvopt.memory import estimate
     from kvopt.models.info import ModelInfo
 

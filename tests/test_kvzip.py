@@ -1,4 +1,7 @@
-"""kvzip: reconstruction scoring against a slow reference, real savings, batches, clear errors."""
+"""kvzip and shallowzip: reconstruction scoring against a slow reference, real savings, batches, clear errors.
+
+shallowzip scores as kvzip does in the layers its reconstruction runs through and carries their mean score
+deeper, so every test runs both: the reference feeds the reconstruction forwards to a plain eager model."""
 
 import copy
 
@@ -9,6 +12,12 @@ import kvopt
 from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError
 from kvopt.methods.kvzip import KVzip
+from kvopt.methods.shallowzip import ShallowZip
+
+#: shallowzip reconstructs through the first of the tiny model's two layers; the second carries its mean score.
+METHODS = {"kvzip": KVzip, "shallowzip": lambda **kwargs: ShallowZip(depth=0.5, **kwargs)}
+#: Spec prefixes the tests complete with their parameters.
+SPECS = {"kvzip": "kvzip:", "shallowzip": "shallowzip:depth=0.5,"}
 
 
 def reference_scores(model, tokenizer, context: torch.Tensor, method: KVzip) -> list[torch.Tensor]:
@@ -28,13 +37,18 @@ def reference_scores(model, tokenizer, context: torch.Tensor, method: KVzip) -> 
             for kv_head in range(model.config.num_key_value_heads):
                 heads = rows[kv_head * group : (kv_head + 1) * group]
                 best[layer][kv_head] = torch.maximum(best[layer][kv_head], heads.amax(dim=(0, 1)))
+    if isinstance(method, ShallowZip):  # deeper layers: the mean, over layers and KV heads, of the last scored ones
+        depth = method.scored_layers(layers)
+        carried = torch.stack(best[max(0, depth - method.carry) : depth]).mean(dim=(0, 1))
+        best = best[:depth] + [carried.expand_as(scores) for scores in best[depth:]]
     return best
 
 
-def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_tokenizer):
+@pytest.mark.parametrize("name", METHODS)
+def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_tokenizer, name):
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 150), generator=torch.Generator().manual_seed(1))
-    method = KVzip(ratio=0.6, window=4, sinks=2, chunk=64, budgets="layer")
+    method = METHODS[name](ratio=0.6, window=4, sinks=2, chunk=64, budgets="layer")
     cache = kvopt.cache([method], model)
     cache.prefill(model, context, tokenizer=tokenizer)
     for layer, scores in zip(cache.layers, reference_scores(model, tokenizer, context, method)):
@@ -47,11 +61,12 @@ def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_to
             assert layer.store.positions[0, head].tolist() == expected
 
 
-def test_kvzip_global_budgets_rank_all_layers_and_heads_together(tiny_with_tokenizer):
+@pytest.mark.parametrize("name", METHODS)
+def test_kvzip_global_budgets_rank_all_layers_and_heads_together(tiny_with_tokenizer, name):
     """budgets=global: the slow reference ranks every (layer, head, token) score in one list."""
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 150), generator=torch.Generator().manual_seed(5))
-    method = KVzip(ratio=0.6, window=4, sinks=2, chunk=64)
+    method = METHODS[name](ratio=0.6, window=4, sinks=2, chunk=64)
     cache = kvopt.cache([method], model)
     cache.prefill(model, context, tokenizer=tokenizer)
     scores = reference_scores(model, tokenizer, context, method)
@@ -76,12 +91,13 @@ def test_kvzip_global_budgets_rank_all_layers_and_heads_together(tiny_with_token
     assert len(sizes) > 1  # the point of global budgets: heads and layers keep different amounts
 
 
+@pytest.mark.parametrize("name", METHODS)
 @pytest.mark.parametrize("budgets", ["global", "layer"])
-def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_tokenizer, budgets):
+def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_tokenizer, budgets, name):
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 300), generator=torch.Generator().manual_seed(2))
     full = kvopt.cache("full", model)
-    cache = kvopt.cache(f"kvzip:ratio=0.75,budgets={budgets}", model)
+    cache = kvopt.cache(f"{SPECS[name]}ratio=0.75,budgets={budgets}", model)
     full.prefill(model, context)
     cache.prefill(model, context, tokenizer=tokenizer)
     assert cache.get_seq_length() == 300
@@ -95,12 +111,13 @@ def test_kvzip_frees_memory_and_never_keeps_reconstruction_tokens(tiny_with_toke
     assert cache.nbytes() < 0.3 * full.nbytes()
 
 
-def test_kvzip_batch_rows_keep_their_own_budget(tiny_with_tokenizer):
+@pytest.mark.parametrize("name", METHODS)
+def test_kvzip_batch_rows_keep_their_own_budget(tiny_with_tokenizer, name):
     model, tokenizer = tiny_with_tokenizer
     ids = torch.randint(100, 5000, (2, 120), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
-    cache = kvopt.cache("kvzip:ratio=0.5", model)
+    cache = kvopt.cache(f"{SPECS[name]}ratio=0.5", model)
     cache.prefill(model, ids, attention_mask=mask, tokenizer=tokenizer)
     per_row = sum(layer.parts_of(RaggedKV)[0].counts().sum(dim=1) for layer in cache.layers)  # token-heads per row
     slots = model.config.num_key_value_heads * len(cache.layers)

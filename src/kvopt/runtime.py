@@ -11,6 +11,7 @@ import torch
 from kvopt.errors import ContextTooLongError, KVOptError
 from kvopt.memory import estimate, human_bytes
 from kvopt.methods import Method
+from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 
@@ -142,7 +143,7 @@ def generate_streaming(
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             streamer=streamer,

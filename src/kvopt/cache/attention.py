@@ -127,19 +127,20 @@ def attend(
 
 
 def _needs_window(key_positions, query_positions, sliding_window) -> bool:
-    return sliding_window is not None and bool((query_positions[-1] - key_positions.min() >= sliding_window).item())
+    return sliding_window is not None and bool((query_positions.max() - key_positions.min() >= sliding_window).item())
 
 
 def visibility(key_positions, key_valid, query_positions, sliding_window=None) -> torch.Tensor | None:
     """``[B, 1 or H_kv, q, T]`` True where a query may see a key; None when it sees them all.
 
-    Stored keys are never in the future of the newest query, so one query needs no causal mask.
+    ``query_positions`` is ``[q]``, or ``[B, q]`` when rows' queries sit at different indices (tokens
+    FastKV propagated). Stored keys are never in the future of the newest query, so one query needs no causal mask.
     """
     needs_window = _needs_window(key_positions, query_positions, sliding_window)
     if query_positions.numel() == 1 and not needs_window and key_valid is None:
         return None
     kp = key_positions[:, :, None, :]
-    qp = query_positions[None, None, :, None]
+    qp = query_positions.reshape(-1, 1, query_positions.shape[-1], 1)
     mask = kp <= qp
     if needs_window:
         mask = mask & (qp - kp < sliding_window)

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 from kvopt.cache.attention import ATTENTION_NAME, prepare
 from kvopt.cache.layer import KVLayer
 from kvopt.errors import CacheUsageError, ContextTooLongError
+from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class KVCache(Cache):
         import torch
 
         with torch.no_grad():
-            output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self, use_cache=True)
+            output = model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, self), use_cache=True)
         self.after_prefill(model, input_ids, attention_mask, tokenizer)
         return output
 
@@ -122,6 +123,12 @@ class KVCache(Cache):
         after attention, this equals prefilling this cache directly with the same one forward pass,
         so one prefill serves many methods (the evaluation grid compares a dozen on each prompt).
         """
+        shaping = [m.name for m in self.methods if m.shapes_prefill]
+        if shaping:
+            raise CacheUsageError(
+                f"{shaping[0]} changes the prefill itself, so a recorded lossless prefill cannot stand for it; "
+                "prefill this cache directly (model(ids, past_key_values=cache))"
+            )
         layers = source.layers
         if len(layers) != len(self.layers) or any(layer.recorded_prefill is None for layer in layers):
             raise CacheUsageError(
@@ -142,7 +149,7 @@ class KVCache(Cache):
         ``layers`` limits the block to the first layers (a self-speculative draft runs only those).
 
             with cache.speculate():
-                logits = model(block, past_key_values=cache).logits
+                logits = model(block, **cache_kwargs(model, cache)).logits
                 cache.commit(accepted)
         """
         if self._speculating is not None:

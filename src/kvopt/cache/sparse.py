@@ -6,9 +6,15 @@ bound of ``q . k`` over the chunk, as Quest), so a query reads ``channels`` of t
 channels of one summary per chunk -- the channels where the GQA group's ``|q|`` is largest,
 taking the max where the group's query is positive and the min elsewhere (SparQ-style) -- instead
 of every key: ``1 / c2`` of the key bytes. The approximate softmax (temperature
-``sqrt(d * sum|q_sel| / sum|q|)``) summed over the group ranks the chunks, the top ``topk``
-tokens are gathered and attended exactly. Chunks of one token read the keys' selected channels
-directly (no summary is stored).
+``sqrt(d * sum|q_sel| / sum|q|)``) summed over the group ranks the chunks; the best whole chunks
+covering ``topk`` tokens are gathered and attended exactly. Chunks of one token read the keys'
+selected channels directly (no summary is stored).
+
+Cheap on a CPU, where a decode step's small tensor operations cost more than the bytes they read:
+a step is about twenty operations per layer (no per-token masks or positions: every stored token is
+older than the query), whole chunks are gathered (no cut inside the last one), and the
+``len % chunk`` newest tokens, which no whole chunk holds, are always attended (no short last
+chunk to correct the softmax for).
 
 Each batch row keeps its own tokens and its own split (``chunk``, ``channels``, ``topk`` follow
 its prompt length), so a sequence attends the same in a batch as alone; padding is never stored.
@@ -19,6 +25,7 @@ and the two attention results merge exactly through their log-sum-exp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -42,75 +49,84 @@ class SparseRow:
     values: torch.Tensor
     positions: torch.Tensor  # [kv_heads, tokens] int32
     split: SparseSplit
-    #: Per chunk, the keys' element-wise min (rows ``0..dim-1``) and max (rows ``dim..2 dim-1``), channel-major
-    #: ``[kv_heads, 2 dim, chunks]`` so a step reads its channels as whole rows (the paper's code keeps the same
-    #: layout); None for one-token chunks and rows read whole.
+    #: Per whole chunk, the keys' element-wise min (rows ``0..dim-1``) and max (rows ``dim..2 dim-1``),
+    #: channel-major ``[kv_heads, 2 dim, chunks]`` so a step reads its channels as whole rows (the paper's code
+    #: keeps the same layout); None for one-token chunks and rows read whole.
     key_bounds: torch.Tensor | None
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, split: SparseSplit) -> SparseRow:
-        bounds = None
-        if split.chunk > 1 and split.topk < keys.shape[1]:
-            bounds = chunk_bounds(keys, split.chunk)
-        return cls(keys, values, positions.to(torch.int32), split, bounds)
+        row = cls(keys, values, positions.to(torch.int32), split, None)
+        if split.chunk > 1 and not row.exact:
+            row.key_bounds = chunk_bounds(keys[:, : row.chunks * split.chunk], split.chunk)
+        return row
 
     def __len__(self) -> int:
         return self.keys.shape[1]
 
     @property
+    def chunks(self) -> int:
+        """Whole chunks; the newest ``len % chunk`` tokens are always attended."""
+        return len(self) // self.split.chunk
+
+    @property
     def exact(self) -> bool:
-        """True when the top-k covers every token: plain attention, no approximation."""
-        return self.split.topk >= len(self)
+        """True when the chunks attended cover every token: plain attention, no approximation."""
+        return -(-self.split.topk // self.split.chunk) >= self.chunks
 
     def nbytes(self) -> int:
         held = (self.keys, self.values, self.positions, self.key_bounds)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def select(self, query: torch.Tensor) -> torch.Tensor:
-        """Slots of the tokens one query attends to, ``[kv_heads, topk]``: ``query [heads, dim]``.
-
-        Whole chunks in descending approximate score, the last one cut to reach ``topk`` tokens
-        (its earliest first), as a token-level top-k of the paper's chunk-constant scores would.
-        """
+        """The chunks one query attends to, best first, ``[kv_heads, ceil(topk / chunk)]``: ``query [heads, dim]``."""
         kv_heads, tokens, dim = self.keys.shape
-        split = self.split
         grouped = query.float().reshape(kv_heads, -1, dim)  # [H_kv, g, D]
         magnitude = grouped.abs()
-        channels = magnitude.sum(dim=1).topk(split.channels, dim=-1).indices  # [H_kv, r]
-        selected = grouped.gather(-1, channels[:, None, :].expand(-1, grouped.shape[1], -1))  # [H_kv, g, r]
+        channels = magnitude.sum(dim=1).topk(self.split.channels, dim=-1).indices[:, None, :]  # [H_kv, 1, r]
+        channels = channels.expand(-1, grouped.shape[1], -1)
+        selected = grouped.gather(-1, channels)  # [H_kv, g, r]
         if self.key_bounds is None:
-            bound = self.keys.transpose(1, 2).gather(1, channels[..., None].expand(-1, -1, tokens))  # [H_kv, r, T]
+            bound = self.keys.transpose(1, 2).gather(1, channels[:, 0, :, None].expand(-1, -1, tokens))  # [H_kv, r, T]
         else:  # the max where the group's query is positive, else the min: an upper bound of q . k
-            bound = rows(self.key_bounds, channels + dim * (selected.sum(dim=1) > 0))  # [H_kv, r, chunks]
-        temperature = (dim * selected.abs().sum(-1) / magnitude.sum(-1).clamp(min=1e-30)).sqrt().clamp(min=1e-15)
-        logits = torch.matmul(selected, bound.float()) / temperature[..., None]  # [H_kv, g, chunks]
-        chunks = logits.shape[-1]
-        last = tokens - split.chunk * (chunks - 1)  # tokens in the last chunk
-        # Softmax over *tokens*: a chunk's score is shared by its tokens, so it counts its size.
-        sizes = torch.full((chunks,), float(split.chunk), device=logits.device)
-        sizes[-1] = last
-        normaliser = torch.logsumexp(logits + sizes.log(), dim=-1, keepdim=True)
-        chunk_scores = (logits - normaliser).exp().sum(dim=1)  # [H_kv, chunks], summed over the group
-        needed = min(chunks, -(-split.topk // split.chunk) + 1)  # enough whole chunks even with the short one
-        order = chunk_scores.topk(needed, dim=-1).indices  # best first
-        ordered_sizes = torch.where(order == chunks - 1, last, split.chunk)
-        before = ordered_sizes.cumsum(-1) - ordered_sizes
-        take = (split.topk - before).clamp(min=0).minimum(ordered_sizes)  # tokens taken from each ordered chunk
-        offsets = torch.arange(split.chunk, device=order.device)
-        slots = order[..., None] * split.chunk + offsets  # [H_kv, needed, chunk]
-        return slots[offsets < take[..., None]].reshape(kv_heads, split.topk)
+            first = channels[:, 0]
+            bound = rows(self.key_bounds, torch.where(selected.sum(dim=1) > 0, first + dim, first))  # [H_kv, r, chunks]
+        # 1 / temperature, temperature = sqrt(D sum|q_sel| / sum|q|) per query head
+        inverse = (magnitude.sum(-1) / (dim * magnitude.gather(-1, channels).sum(-1)).clamp(min=1e-30)).sqrt()
+        # Chunks are equally long, so the softmax over tokens ranks them as the softmax over chunks does.
+        logits = torch.matmul(selected, bound.float()) * inverse[..., None]  # [H_kv, g, chunks]
+        scores = torch.softmax(logits, dim=-1).sum(dim=1)  # summed over the group
+        return scores.topk(-(-self.split.topk // self.split.chunk), dim=-1).indices
+
+    def slots(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Flat indices into ``keys.view(kv_heads * tokens, dim)`` of the tokens of ``chunks [kv_heads, n]`` and of
+        the newest tokens no whole chunk holds."""
+        chunk = self.split.chunk
+        inside, tail = _slot_offsets(self.keys.shape[0], len(self), chunk, self.keys.device)
+        return torch.cat([(chunks[..., None] * chunk + inside).flatten(1), tail], dim=1)
 
     def attend(
         self, query: torch.Tensor, scaling: float, softcap: float | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``query [1, H_q, q, D]`` -> ``(output [1, H_q, q, D], lse [1, H_q, q])``; every stored token is
         older than any query (the part is made at the end of the prefill), so no mask is needed."""
-        if self.exact or query.shape[2] > 1:  # several queries (a later prompt chunk) read all, as the paper's prefill
-            keys, values = self.keys, self.values
-        else:
-            slots = self.select(query[0, :, 0])
-            keys, values = rows(self.keys, slots), rows(self.values, slots)
+        keys, values = self.keys, self.values
+        # Several queries (a later prompt chunk) read all tokens, as the paper's prefill does.
+        if not self.exact and query.shape[2] == 1:
+            slots = self.slots(self.select(query[0, :, 0])).flatten()
+            heads, _, dim = keys.shape
+            keys, values = (t.reshape(-1, dim).index_select(0, slots).view(heads, -1, dim) for t in (keys, values))
         return attention_with_lse(query, keys[None], values[None], None, scaling, softcap)
+
+
+@lru_cache(maxsize=256)
+def _slot_offsets(kv_heads: int, tokens: int, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inside [H, 1, chunk], tail [H, tokens % chunk])``: flat offsets of a chunk's tokens from its first, per
+    head, and the flat indices of the tail tokens (made once per shape: a decode step then adds one product)."""
+    heads = torch.arange(kv_heads, device=device)[:, None] * tokens
+    whole = tokens // chunk * chunk
+    inside = (heads + torch.arange(chunk, device=device))[:, None, :]
+    return inside, heads + torch.arange(whole, tokens, device=device)
 
 
 def rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -122,14 +138,11 @@ def rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_bounds(keys: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Element-wise min and max of ``keys [H, T, D]`` per chunk of ``chunk`` tokens, channel-major:
-    ``[H, 2 D, ceil(T / chunk)]``, the mins first."""
+    """Element-wise min and max of ``keys [H, T, D]`` (``T`` a multiple of ``chunk``) per chunk, channel-major:
+    ``[H, 2 D, T / chunk]``, the mins first."""
     heads, tokens, dim = keys.shape
-    padding = keys.new_empty(heads, -tokens % chunk, dim)  # the last chunk's missing tokens count for nothing
-    blocks = (heads, -(-tokens // chunk), chunk, dim)
-    low = torch.cat([keys, padding.fill_(float("inf"))], dim=1).reshape(blocks).amin(dim=2)
-    high = torch.cat([keys, padding.fill_(float("-inf"))], dim=1).reshape(blocks).amax(dim=2)
-    return torch.cat([low, high], dim=-1).transpose(1, 2).contiguous()
+    blocks = keys.reshape(heads, tokens // chunk, chunk, dim)
+    return torch.cat([blocks.amin(dim=2), blocks.amax(dim=2)], dim=-1).transpose(1, 2).contiguous()
 
 
 @dataclass
@@ -164,4 +177,6 @@ class SparseKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, row by row (each with its own split)."""
         parts = [row.attend(query[index : index + 1], scaling, softcap) for index, row in enumerate(self.rows)]
+        if len(parts) == 1:
+            return parts[0]
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])

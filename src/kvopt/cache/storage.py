@@ -174,8 +174,14 @@ class DenseKVStore:
         return attention_with_lse(query, self.keys if keys is None else keys, self.values, mask, scaling, softcap)
 
     # -- writes --------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int, valid: torch.Tensor | None) -> None:
-        """Store new tokens at sequence indices ``first_position...``; ``valid [batch, new]`` or None (all real)."""
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, first_position: int, valid: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Store new tokens at sequence indices ``first_position...``; ``valid [batch, new]`` or None (all real).
+
+        ``positions [batch, new]`` gives the indices explicitly instead (tokens that are not a run:
+        the ones FastKV propagates past its selection layer)."""
         new = keys.shape[TOKEN_AXIS]
         self._reserve(keys, values, new)
         end = self.end + new
@@ -183,14 +189,14 @@ class DenseKVStore:
         buffers["keys"][:, :, self.end : end] = keys
         buffers["values"][:, :, self.end : end] = values
         if "positions" not in buffers:
-            if not len(self):
+            if not len(self) and positions is None:
                 self.first_position = first_position  # a new run
-            elif first_position != self.first_position + len(self):
+            elif positions is not None or first_position != self.first_position + len(self):
                 self._materialize("positions")
         if "positions" in buffers:
-            buffers["positions"][:, :, self.end : end] = torch.arange(
-                first_position, first_position + new, dtype=torch.int32, device=keys.device
-            )
+            if positions is None:
+                positions = torch.arange(first_position, first_position + new, dtype=torch.int32, device=keys.device)
+            buffers["positions"][:, :, self.end : end] = positions[..., None, :] if positions.ndim == 2 else positions
         if valid is not None and not bool(valid.all()):
             self._materialize("valid")
             self.all_valid = False

@@ -22,6 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvopt.errors import KVOptError
+from kvopt.models.forward import cache_kwargs
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -91,7 +92,7 @@ def chat(
             if not cached and cache.needs_prefill_pass and ids.shape[-1] > 1:  # kvzip compresses the first prompt
                 cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
             output = model.generate(
-                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
+                ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=pad, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
             )  # fmt: skip
         answer = output[0, ids.shape[-1] :]

@@ -188,8 +188,8 @@ class LLMEngine:
             served = ", ".join(cls.name for cls in available() if cls.runs_in_engine)
             raise RequestError(
                 f"kv_method={spec!r}: {', '.join(unserved)} is not served by the engine yet (it ranks all layers "
-                f"together, stores tokens its own way, or re-rotates keys when reading them); the engine serves "
-                f"{served}; run it with kvopt.cache(...) and model.generate"
+                f"together, stores tokens its own way, re-rotates keys when reading them, or changes the prefill "
+                f"itself); the engine serves {served}; run it with kvopt.cache(...) and model.generate"
             )
         if any(window is not None for window in self.info.sliding_windows):
             raise RequestError(

@@ -20,6 +20,7 @@ from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
 from kvopt.cache.paged_headwise import HeadwiseKV, HeadwiseStep
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.engine.sequence import Sequence
+from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 
@@ -84,7 +85,7 @@ class ModelRunner:
                 output = self.model(
                     input_ids=torch.tensor([ids], device=device),
                     position_ids=torch.tensor([positions], device=device),
-                    past_key_values=self.cache,
+                    **cache_kwargs(self.model, self.cache),
                     use_cache=True,
                     logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=device),
                 )

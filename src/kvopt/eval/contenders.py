@@ -46,6 +46,8 @@ class Contender:
     method_name: str
     ratio: float | None = None
     options: dict = field(default_factory=dict)
+    #: False when the contender's prefill differs from a lossless one (FastKV), so it cannot replay a shared one.
+    replays: bool = True
 
     def missing(self) -> str | None:
         """Why this contender cannot run here (with the install command), or None."""
@@ -173,7 +175,9 @@ def parse_contender(spec: str) -> Contender:
 
     methods = parse(spec)
     ratio = next((getattr(m, "ratio") for m in methods if getattr(m, "ratio", None) is not None), None)
-    return Contender("+".join(m.spec() for m in methods), "kvopt", "+".join(m.name for m in methods), ratio)
+    replays = not any(m.shapes_prefill for m in methods)
+    names = "+".join(m.name for m in methods)
+    return Contender("+".join(m.spec() for m in methods), "kvopt", names, ratio, replays=replays)
 
 
 def _options(spec: str, args: str) -> dict[str, str]:

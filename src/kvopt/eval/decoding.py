@@ -14,6 +14,7 @@ import torch
 
 from kvopt.eval.contenders import Contender
 from kvopt.memory import estimate
+from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 QUERY_AGNOSTIC = "query_agnostic"
@@ -38,7 +39,7 @@ def forward(model, ids: list[int] | torch.Tensor, cache, start: int) -> torch.Te
     """Feed ``ids`` at positions ``start...``; return the last position's logits ``[vocab]``."""
     ids = torch.as_tensor(ids, device=model.device).reshape(1, -1)
     positions = torch.arange(start, start + ids.shape[-1], device=model.device)[None]
-    output = model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=ids, **cache_kwargs(model, cache), position_ids=positions, use_cache=True, logits_to_keep=1)
     return output.logits[0, -1]
 
 

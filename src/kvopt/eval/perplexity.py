@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvopt.eval.contenders import Contender
+from kvopt.models.forward import cache_kwargs
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def streaming_perplexity(model, contender: Contender, ids: list[int], chunk: int
         piece = tokens[start : start + chunk]
         targets = tokens[start + 1 : start + 1 + piece.numel()]
         positions = torch.arange(start, start + piece.numel(), device=model.device)[None]
-        logits = model(input_ids=piece[None], past_key_values=cache, position_ids=positions, use_cache=True).logits[0]
+        logits = model(input_ids=piece[None], **cache_kwargs(model, cache), position_ids=positions, use_cache=True).logits[0]
         logits = logits[: targets.numel()].float()
         nll[start : start + targets.numel()] = F.cross_entropy(logits, targets, reduction="none").double().cpu()
         peak = max(peak, contender.held_bytes(cache))

@@ -52,6 +52,9 @@ class Method:
     #: True when the method acts after the prefill with the prompt's token ids in hand (KVzip's
     #: reconstruction); callers then prefill through :meth:`KVCache.prefill`.
     needs_prefill_pass: ClassVar[bool] = False
+    #: True when the method changes the prefill's forward itself (FastKV passes only selected tokens to the
+    #: later layers), so a recorded lossless prefill cannot stand for it (:meth:`KVCache.replay_prefill`).
+    shapes_prefill: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -110,7 +110,7 @@ class Eviction(Method):
         """
         key, since = f"{self.name}.targets", f"{self.name}.seen_at_prefill"
         if step is None or step.is_prefill or key not in layer.state:
-            real = layer.store.valid[:, 0].sum(dim=-1)
+            real = self.prompt_tokens(layer)
             if self.ratio is not None:
                 targets = (real.double() * (1 - self.ratio)).long().clamp(min=1)
             else:
@@ -119,6 +119,11 @@ class Eviction(Method):
         if self.ratio is not None:  # later tokens come on top of the prompt's share (kvpress's convention)
             return layer.state[key] + (layer.seen - layer.state[since])
         return layer.state[key]
+
+    def prompt_tokens(self, layer) -> torch.Tensor:
+        """Real tokens of each row's prompt, ``[batch]``, which the budget is a share of: the tokens the layer
+        stores at the prefill (FastKV's later layers store fewer than the prompt had)."""
+        return layer.store.valid[:, 0].sum(dim=-1)
 
     def kept_tokens(self, seen_tokens: int) -> int:
         if self.ratio is not None:

@@ -14,15 +14,18 @@ which streaming perplexity reads, is not calibrated on), and is stored under
 ``calibration_seconds`` says how long it took. Once ``residual`` tokens are held at full
 precision, whole groups of ``group`` tokens (which share per-channel key ranges) are quantized.
 
-Deviations: key ranges are per channel over each ``group`` tokens (KIVI's layout, fp16 centre and
-half-range) rather than calibrated offline, which lost retrieval (see :mod:`kvopt.cache.nonuniform`);
-the calibrated ranges only pick each key's outliers. Outliers are the ``ceil(outliers x head_dim)``
-largest normalized entries of each vector (a fixed count, so no index bookkeeping; 1 of 64
-channels = 1.6% at the default) rather than those beyond calibrated thresholds. The outer levels
-are pinned to the range's ends. Q-Norm is not applied. In a left-padded batch the sink block spans
-the slots of the most-padded row, so a less-padded row keeps up to that difference in extra
-tokens at full precision. RoPE positions follow HF ``generate``'s numbering of left-padded rows
-(from the first real token). Sliding-window layers stay at full precision.
+Deviations: key ranges are per channel over each ``group`` tokens (KIVI's layout) rather than
+calibrated offline, which lost retrieval (see :mod:`kvopt.cache.nonuniform`); the calibrated ranges
+pick each key's outliers and give the envelope on which each group's range ends are coded in 8
+bits (2 bytes per channel and group). Outliers are the ``ceil(outliers x head_dim)`` largest
+normalized entries of each vector (a fixed count, so no index bookkeeping; 1 of 64 channels = 1.6%
+at the default) rather than those beyond calibrated thresholds. On the default model, 2-bit keys
+and values take 0.186x the fp16 bytes at 4k tokens (0.175x with ``value_outliers=0``; with fp16
+range ends the value outliers would not fit 0.19x). The outer levels are pinned to the
+range's ends. Q-Norm is not applied. In a left-padded batch the sink block spans the slots of the
+most-padded row, so a less-padded row keeps up to that difference in extra tokens at full
+precision. RoPE positions follow HF ``generate``'s numbering of left-padded rows (from the first
+real token). Sliding-window layers stay at full precision.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from kvopt.methods.nuq_calibration import calibrate, sparse_count
 from kvopt.methods.quantization import dense_bytes, position_bytes
 
 #: Version of what calibration computes, part of the saved files' key (a change recalibrates).
-CALIBRATION_FORMAT = 2
+CALIBRATION_FORMAT = 4
 #: Fewest calibration tokens (the sinks are left out of the statistics).
 MIN_CALIBRATION = 64
 
@@ -68,9 +71,10 @@ class KVQuant(Method):
     storage = "quantized"
 
     bits: int = field(default=2, metadata={"help": "bits per quantized element: 2, 3 or 4"})
-    outliers: float = field(default=0.01, metadata={"help": "fraction of each vector kept exactly (rounded up)"})
+    outliers: float = field(default=0.01, metadata={"help": "fraction of each key vector kept exactly (rounded up)"})
+    value_outliers: float = field(default=0.01, metadata={"help": "fraction of each value vector kept exactly"})
     sinks: int = field(default=4, metadata={"help": "first real tokens kept at full precision"})
-    residual: int = field(default=32, metadata={"help": "full-precision tokens held before quantizing"})
+    residual: int = field(default=128, metadata={"help": "full-precision tokens held before quantizing"})
     group: int = field(default=32, metadata={"help": "tokens sharing per-channel key ranges (quantized at a time)"})
     calibration: int = field(default=512, metadata={"help": "tokens of text in the calibration pass"})
 
@@ -85,8 +89,9 @@ class KVQuant(Method):
     def validate(self) -> None:
         if self.bits not in NUQ_BITS:
             raise MethodParameterError(f"{self.name}: bits={self.bits} is not supported; use one of {NUQ_BITS}")
-        if not 0.0 <= self.outliers <= 1.0:
-            raise MethodParameterError(f"{self.name}: outliers={self.outliers} must lie in [0, 1], e.g. 0.01")
+        for name in ("outliers", "value_outliers"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise MethodParameterError(f"{self.name}: {name}={getattr(self, name)} must lie in [0, 1], e.g. 0.01")
         for name in ("sinks", "residual"):
             if getattr(self, name) < 0:
                 raise MethodParameterError(f"{self.name}: {name}={getattr(self, name)} must be >= 0")
@@ -107,8 +112,22 @@ class KVQuant(Method):
     def fit(self, model, ids: torch.Tensor) -> None:
         """Calibrate on token ids ``[1, T]`` now (what :meth:`prepare` does with the caller's text)."""
         started = time.perf_counter()
-        self.codecs = calibrate(model, ids[:, : self.calibration], self.bits, self.outliers, self.sinks, self.group)
+        try:
+            self.calibrate(model, ids[:, : self.calibration])
+        except RopeError as error:
+            raise MethodParameterError(f"{self.name} stores pre-RoPE keys, but {error}") from None
         self.calibration_seconds = time.perf_counter() - started
+
+    def calibrate(self, model, ids: torch.Tensor) -> None:
+        """Fit the per-model state (:attr:`codecs`) on token ids ``[1, T]``."""
+        self.codecs = calibrate(model, ids, self.bits, self.outliers, self.value_outliers, self.sinks, self.group)
+
+    def calibration_state(self) -> dict:
+        """What :meth:`calibrate` learned, as plain tensors and lists (saved per model, see :func:`load_or_fit`)."""
+        return {"codecs": [None if codec is None else dataclasses.asdict(codec) for codec in self.codecs]}
+
+    def load_calibration(self, state: dict) -> None:
+        self.codecs = [None if codec is None else LayerCodec(**codec) for codec in state["codecs"]]
 
     def prepare(self, model, calibration_text: Callable[[], str]) -> None:
         if self.codecs is None:
@@ -135,7 +154,7 @@ class KVQuant(Method):
         if held:
             if len(store) >= ready:
                 count = len(store) // self.group * self.group
-                held[0].extend(self._encode(layer, step.module, 0, count))
+                held[0].extend(self._encode(layer, step.module, 0, count, held[0]))
                 store.drop_oldest(count)
             return
         sink_end = self._sink_end(store)
@@ -156,23 +175,36 @@ class KVQuant(Method):
         real_before = store.valid.cumsum(dim=-1)
         return min(int((real_before < self.sinks).sum(dim=-1).max()) + 1, len(store))
 
-    def _encode(self, layer, module, start: int, stop: int) -> NonUniformKV:
+    def _encode(self, layer, module, start: int, stop: int, held: NonUniformKV | None = None) -> NonUniformKV:
+        """The stored tokens ``start:stop`` quantized, to start a part or to extend ``held``."""
         store = layer.store
-        codec = self._codec(layer)
+        self._require_calibration()
         offsets = layer.state.get(f"{self.name}.offsets")
         if offsets is None and not store.all_valid:  # replayed prefill (no read): the padding is still stored
             offsets = (~store.valid[:, 0]).sum(dim=-1)
         index = TokenIndex.of(store.positions[:, :, start:stop], store.valid[:, :, start:stop])
         keys, values = store.keys[:, :, start:stop], store.values[:, :, start:stop]
-        return NonUniformKV.encode(keys, values, index, codec, self._rope(layer, module, keys), offsets, self.group)
+        first = len(held) if held is not None else 0
+        predictor, source = self.prediction(layer, index, first, held)
+        codec = self.codec(layer.index, predictor is not None)
+        rope = self._rope(layer, module, keys)
+        return NonUniformKV.encode(keys, values, index, codec, rope, offsets, self.group, predictor, source, first)
 
-    def _codec(self, layer) -> LayerCodec:
+    def prediction(self, layer, index: TokenIndex, first: int, held: NonUniformKV | None) -> tuple:
+        """``(predictor, source part)`` for new tokens at slots ``first...`` of ``layer``'s part (none here;
+        see :class:`~kvopt.methods.aquakv.AquaKV`)."""
+        return None, None
+
+    def codec(self, layer: int, predicted: bool) -> LayerCodec:
+        """The layer's codec (for codes that hold raw vectors, or a predictor's residuals)."""
+        return self.codecs[layer]
+
+    def _require_calibration(self) -> None:
         if self.codecs is None:
             raise CacheUsageError(
                 f"{self.name} is not calibrated: build the cache with kvopt.cache(spec, model), which calibrates on "
                 "local text, or call method.fit(model, ids) first"
             )
-        return self.codecs[layer.index]
 
     def _rope(self, layer, module, keys: torch.Tensor) -> RopeTable:
         """The layer's RoPE angle table, from the config of its attention ``module``; layers with the same
@@ -200,7 +232,8 @@ class KVQuant(Method):
         if kept_tokens >= self.sinks + max(self.residual, self.group):
             sinks = self.sinks  # the sink block exists once quantization has started
             quantized = (kept_tokens - sinks) // self.group * self.group
-        key_bytes, value_bytes = bytes_per_vector(dim, self.bits, sparse_count(self.outliers, dim), self.group)
+        key_sparse, value_sparse = sparse_count(self.outliers, dim), sparse_count(self.value_outliers, dim)
+        key_bytes, value_bytes = bytes_per_vector(dim, self.bits, key_sparse, value_sparse, self.group)
         packed = round(quantized * heads * (key_bytes + value_bytes))
         if layer.evicted:  # positions are no longer a run: stored per token (per KV head after head-wise eviction)
             packed += position_bytes(quantized + sinks, heads if layer.per_head else 1)
@@ -223,13 +256,13 @@ def load_or_fit(method: KVQuant, model, calibration_text: Callable[[], str]) -> 
             f"{method.name} calibrates on real text and needs the model's tokenizer (load the model from a folder, "
             "or call method.fit(model, ids) with token ids of real text)"
         ) from None
-    params = [CALIBRATION_FORMAT, method.name, source, model.config.to_json_string(), method.bits, method.outliers,
-              method.sinks, method.group, method.calibration]  # fmt: skip
-    key = hashlib.sha256(json.dumps(params).encode()).hexdigest()[:16]
+    settings = {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.name != "residual"}
+    params = [CALIBRATION_FORMAT, method.name, source, model.config.to_json_string(), settings]
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / method.name / f"{key}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
-        method.codecs = [None if codec is None else LayerCodec(**codec) for codec in saved["codecs"]]
+        method.load_calibration(saved["state"])
         method.calibration_seconds = saved["seconds"]
         return
     text = calibration_text()
@@ -237,5 +270,4 @@ def load_or_fit(method: KVQuant, model, calibration_text: Callable[[], str]) -> 
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, -method.calibration :]
     method.fit(model, ids.to(model.device))
     path.parent.mkdir(parents=True, exist_ok=True)
-    codecs = [None if codec is None else dataclasses.asdict(codec) for codec in method.codecs]
-    torch.save({"codecs": codecs, "seconds": method.calibration_seconds}, path)
+    torch.save({"state": method.calibration_state(), "seconds": method.calibration_seconds}, path)

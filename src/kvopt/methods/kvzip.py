@@ -30,6 +30,7 @@ from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction, keep_top
 from kvopt.methods.scores import attention_probs, grouped_attention_output
+from kvopt.models.forward import cache_kwargs
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -69,13 +70,22 @@ class KVzip(Eviction):
         """Nothing during the prefill itself: scoring needs the whole context cached first."""
 
     def after_prefill(self, cache, model, input_ids, attention_mask, tokenizer) -> None:
+        for layer in cache.layers:
+            layer.store.add_extra(EXTRA)
+        self.reconstruct(cache, model, input_ids, attention_mask, tokenizer, cache.layers)
+        self.select(cache, model)
+
+    def reconstruct(self, cache, model, input_ids, attention_mask, tokenizer, scored: list) -> None:
+        """Feed the reconstruction forwards; the ``scored`` layers raise their tokens' scores (store extra
+        ``kvzip``) to the attention the reconstruction queries pay them."""
         if tokenizer is None:
-            raise CacheUsageError("kvzip needs the tokenizer: call cache.prefill(model, ids, tokenizer=tokenizer)")
+            raise CacheUsageError(
+                f"{self.name} needs the tokenizer: call cache.prefill(model, ids, tokenizer=tokenizer)"
+            )
         batch = input_ids.shape[0]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        for layer in cache.layers:
-            layer.store.add_extra(EXTRA)
+        for layer in scored:
             layer.scoring = score_reconstruction
         try:
             for prompt_ids, chunk_ids, chunk_mask in self._reconstruction_chunks(tokenizer, input_ids, attention_mask):
@@ -83,10 +93,17 @@ class KVzip(Eviction):
                 ids = torch.cat([prompt, chunk_ids], dim=1)
                 mask = torch.cat([attention_mask, torch.ones_like(prompt), chunk_mask], dim=1)
                 with torch.no_grad():
-                    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    self.forward(model, ids, mask, cache)
         finally:
-            for layer in cache.layers:
+            for layer in scored:
                 layer.scoring = None
+
+    def forward(self, model, ids, mask, cache) -> None:
+        """One reconstruction forward."""
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+
+    def select(self, cache, model) -> None:
+        """Keep the best-scored tokens: one ranking over the layers ragged storage serves, or per layer."""
         together = []
         if self.budgets == "global" and not getattr(model.config, "attn_logit_softcapping", None):
             together = [layer for layer in cache.layers if layer.sliding_window is None]

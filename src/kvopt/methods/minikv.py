@@ -31,6 +31,7 @@ from kvopt.errors import MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.quantization import Quantization
 from kvopt.methods.recording import record_prefill
+from kvopt.models.forward import cache_kwargs
 
 #: Tokens at the end of the calibration text whose loss is measured (the rest is the quantized context).
 SCORED_TOKENS = 128
@@ -107,7 +108,7 @@ def sensitivities(method: MiniKV, model, ids: torch.Tensor) -> list[float]:
         cache = KVCache.for_model([probe], model)
         cache.replay_prefill(recorded)
         with torch.no_grad():
-            return torch.log_softmax(model(scored, past_key_values=cache).logits[0].float(), dim=-1)
+            return torch.log_softmax(model(scored, **cache_kwargs(model, cache)).logits[0].float(), dim=-1)
 
     layers = model.config.num_hidden_layers
     kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * layers

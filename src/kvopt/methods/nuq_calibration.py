@@ -11,6 +11,8 @@ the diagonal Fisher information, KVQuant's sensitivity weights. Per full-attenti
 * levels: 1-D k-means of the normalized entries (outliers excluded, clamped to ``[-1, 1]``),
   each weighted by its Fisher information, for keys and for values separately, with the range's
   ends kept as levels (see :func:`weighted_kmeans`).
+
+AQUA-KV (:mod:`kvopt.methods.aquakv`) fits the same quantizers to the residuals its predictors leave.
 """
 
 from __future__ import annotations
@@ -19,14 +21,8 @@ import math
 
 import torch
 
-from kvopt.cache.nonuniform import (
-    LayerCodec,
-    in_ranges,
-    key_ranges,
-    nearest_level,
-    split_outliers,
-    value_ranges,
-)
+from kvopt.cache.nonuniform import LayerCodec, nearest_level, normalize_keys, normalized, value_ranges
+from kvopt.cache.prerope import RopeTable, rope_inv_freq, to_pairs
 from kvopt.models.info import ModelInfo
 
 KMEANS_ITERATIONS = 40
@@ -44,8 +40,9 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def capture(model, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """Per layer: pre-RoPE ``keys`` and ``values`` ``[H, T, D]`` (fp32, times RoPE's attention scaling like
-    the stored keys) with the squared loss gradients ``key_fisher`` / ``value_fisher`` of one sequence ``ids [1, T]``."""
+    """Per layer: pre-RoPE ``keys`` (in pair order, :func:`~kvopt.cache.prerope.to_pairs`) and ``values`` ``[H, T, D]``
+    (fp32, keys times RoPE's attention scaling like the stored keys) with the squared loss gradients
+    ``key_fisher`` / ``value_fisher`` of one sequence ``ids [1, T]``."""
     info = ModelInfo.from_config(model.config)
     leaves: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -74,8 +71,11 @@ def capture(model, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(info.num_layers)]
     as_heads = lambda t: t.detach().float().reshape(t.shape[0], t.shape[1], info.num_kv_heads, -1)[0].transpose(0, 1)
     for (layer, name), grad in zip(names, grads):
-        layers[layer][name] = as_heads(leaves[(layer, name)]) * (scaling if name == "keys" else 1.0)
-        layers[layer][name.rstrip("s") + "_fisher"] = as_heads(grad).square()
+        tensor, fisher = as_heads(leaves[(layer, name)]), as_heads(grad).square()
+        if name == "keys":  # in the pair order the stores keep pre-RoPE keys in
+            table = RopeTable(rope_inv_freq(model.config, layer, info.head_dim))
+            tensor, fisher = to_pairs(tensor * scaling, table), to_pairs(fisher, table)
+        layers[layer][name], layers[layer][name.rstrip("s") + "_fisher"] = tensor, fisher
     return layers
 
 
@@ -97,23 +97,38 @@ def weighted_kmeans(samples: torch.Tensor, weights: torch.Tensor, count: int) ->
     return levels
 
 
-def fit_layer(captured: dict[str, torch.Tensor], bits: int, sparse: int, outliers: float, sinks: int,
-              group: int) -> LayerCodec:  # fmt: skip
-    """One layer's :class:`LayerCodec` from its captured keys, values and Fisher weights."""
-    tokens = (captured["keys"].shape[1] - sinks) // group * group
-    keys, values = captured["keys"][:, sinks : sinks + tokens], captured["values"][:, sinks : sinks + tokens]
-    key_fisher = captured["key_fisher"][:, sinks : sinks + tokens]
-    value_fisher = captured["value_fisher"][:, sinks : sinks + tokens]
+def fit_keys(keys: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int, outliers: float,
+             group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Key levels and calibrated per-channel ranges ``(levels, center [H, D], half [H, D])`` from pre-RoPE keys
+    ``[H, T, D]`` (``T`` a multiple of ``group``) and their Fisher weights."""
     quantiles = torch.tensor([outliers / 2, 1 - outliers / 2])
     low, high = torch.quantile(keys.transpose(1, 2), quantiles, dim=-1)  # each [H, D]
     center, half = (high + low) / 2, ((high - low) / 2).clamp_min(1e-6)
-    key_index, _ = split_outliers((keys - center[:, None]) / half[:, None], sparse)
-    outlier = torch.zeros_like(keys, dtype=torch.bool).scatter_(-1, key_index.long(), True)
-    normalized = in_ranges(keys, *key_ranges(keys, outlier, group), group)
-    key_levels = _levels(normalized, key_index, key_fisher, bits)
-    value_normalized, value_index, _, _ = value_ranges(values, sparse)
-    value_levels = _levels(value_normalized, value_index, value_fisher, bits)
-    return LayerCodec(bits, sparse, key_levels, value_levels, center, half)
+    provisional = LayerCodec(bits, sparse, 0, torch.empty(0), torch.empty(0), center, half)  # ranges only
+    stored, scaled = normalize_keys(keys[None], provisional, group)
+    return _levels(scaled[0], stored.sparse_index[0], fisher, bits), center, half
+
+
+def fit_values(values: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int) -> torch.Tensor:
+    """Value levels from values ``[H, T, D]`` and their Fisher weights."""
+    index, lower, upper = value_ranges(values, sparse)
+    return _levels(normalized(values, lower, upper), index, fisher, bits)
+
+
+def trimmed(captured: dict[str, torch.Tensor], sinks: int, group: int) -> dict[str, torch.Tensor]:
+    """The captured tensors without the first ``sinks`` tokens (kept at full precision at run time), cut to
+    whole groups of ``group`` tokens."""
+    tokens = (captured["keys"].shape[1] - sinks) // group * group
+    return {name: tensor[:, sinks : sinks + tokens] for name, tensor in captured.items()}
+
+
+def fit_layer(captured: dict[str, torch.Tensor], bits: int, sparse: int, value_sparse: int, outliers: float,
+              sinks: int, group: int) -> LayerCodec:  # fmt: skip
+    """One layer's :class:`LayerCodec` from its captured keys, values and Fisher weights."""
+    used = trimmed(captured, sinks, group)
+    key_levels, center, half = fit_keys(used["keys"], used["key_fisher"], bits, sparse, outliers, group)
+    value_levels = fit_values(used["values"], used["value_fisher"], bits, value_sparse)
+    return LayerCodec(bits, sparse, value_sparse, key_levels, value_levels, center, half)
 
 
 def _levels(normalized: torch.Tensor, outlier_index: torch.Tensor, fisher: torch.Tensor, bits: int) -> torch.Tensor:
@@ -122,12 +137,13 @@ def _levels(normalized: torch.Tensor, outlier_index: torch.Tensor, fisher: torch
     return weighted_kmeans(normalized[~outlier].clamp(-1, 1), fisher[~outlier], 1 << bits)
 
 
-def calibrate(model, ids: torch.Tensor, bits: int, outliers: float, sinks: int, group: int) -> list[LayerCodec | None]:
+def calibrate(model, ids: torch.Tensor, bits: int, outliers: float, value_outliers: float, sinks: int,
+              group: int) -> list[LayerCodec | None]:  # fmt: skip
     """A :class:`LayerCodec` per layer (None for sliding-window layers, which stay at full precision)."""
     info = ModelInfo.from_config(model.config)
-    sparse = sparse_count(outliers, info.head_dim)
+    sparse, value_sparse = sparse_count(outliers, info.head_dim), sparse_count(value_outliers, info.head_dim)
     captured = capture(model, ids)
     return [
-        None if window is not None else fit_layer(captured[layer], bits, sparse, outliers, sinks, group)
+        None if window is not None else fit_layer(captured[layer], bits, sparse, value_sparse, outliers, sinks, group)
         for layer, window in enumerate(info.sliding_windows)
     ]

@@ -14,6 +14,7 @@ import torch
 
 from kvopt.cache.kv_cache import KVCache
 from kvopt.methods.base import Method
+from kvopt.models.forward import cache_kwargs
 
 
 @dataclass
@@ -39,6 +40,6 @@ def record_prefill(model, input_ids, attention_mask=None, **forward_kwargs) -> t
         layer.sliding_window = None
     with torch.no_grad():
         output = model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **forward_kwargs
+            input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, cache), use_cache=True, **forward_kwargs
         )
     return cache, output

@@ -29,7 +29,10 @@ Deviations:
   prefill-time methods, and the stage-1 capacity does not subtract ``max_new_tokens``
   (unknown when the cache is built). For generations much shorter than the prompt the KV
   traffic is the paper's.
-* Ties in the approximate scores (a chunk's tokens share one) break toward earlier tokens.
+* Stage 2 attends to whole chunks: ``ceil(top-k / chunk)`` of them (the paper's token-level top-k cuts the
+  last chunk, whose tokens share one score, anywhere: up to ``chunk - 1`` tokens fewer), plus the
+  ``capacity % chunk`` newest prompt tokens no whole chunk holds (always read; the paper's last chunk
+  is shorter). Ties in the approximate scores break toward earlier chunks.
 * A budget covering the whole prompt (``c2 = 1``) attends exactly to everything (the code would
   still take the top ``B / 2`` by exact scores).
 * Queries of a multi-token forward after the prefill (a second prompt chunk) attend to all
@@ -137,7 +140,7 @@ class RocketKV(SnapKV):
         """Keys and values with per-head positions, plus the min/max key summaries per chunk."""
         split = stage_two(kept_tokens, self.c2(kept_tokens), model.head_dim)
         stored = dense_bytes(kept_tokens, model.num_kv_heads, model.head_dim, element_bytes, evicted=True)
-        if split.chunk == 1 or split.topk >= kept_tokens:
+        chunks = kept_tokens // split.chunk  # whole chunks (the newest remainder is always read)
+        if split.chunk == 1 or -(-split.topk // split.chunk) >= chunks:
             return stored
-        chunks = math.ceil(kept_tokens / split.chunk)
         return stored + 2 * chunks * model.num_kv_heads * model.head_dim * element_bytes

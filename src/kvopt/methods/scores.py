@@ -23,7 +23,7 @@ def attention_probs(layer, step, last: int | None = None, softcap: float | None 
     """
     store = layer.store
     query = step.query if last is None else step.query[:, :, -last:]
-    query_positions = step.query_positions if last is None else step.query_positions[-last:]
+    query_positions = step.query_positions if last is None else step.query_positions[..., -last:]
     batch, heads, queries, dim = query.shape
     kv_heads = store.keys.shape[1]
     group = heads // kv_heads
@@ -34,10 +34,11 @@ def attention_probs(layer, step, last: int | None = None, softcap: float | None 
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     key_positions = store.positions[:, :, None, None, :]
-    query_positions = query_positions.to(key_positions.dtype)[None, None, None, :, None]
+    # [q] or [B, q] (rows of propagated tokens) -> [B or 1, 1, 1, q, 1]
+    query_positions = query_positions.to(key_positions.dtype).reshape(-1, 1, 1, queries, 1)
     newest_stored = store.positions[:, :, -queries:]  # fewer than the queries after an earlier method's eviction
     newest_are_queries = newest_stored.shape[-1] == queries and bool(
-        (newest_stored == query_positions[0, 0, 0, :, 0]).all()
+        (newest_stored == query_positions[:, :, 0, :, 0]).all()
     )
     if layer.sliding_window is None and newest_are_queries:
         # The queries are the newest stored tokens: older slots need only their validity bit,

@@ -131,6 +131,7 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
     spec = spec or "+".join(m.spec() for m in methods)
     _check_each_once(methods, spec)
     _check_order(methods, spec)
+    _check_prefill_shapers(methods, spec)
     movers = [m for m in methods if storage(m) is not None]
     for earlier, later in zip(movers, movers[1:]):
         if later.name not in ADOPTS.get(storage(earlier), ()):
@@ -180,6 +181,19 @@ def _check_each_once(methods: Sequence[Method], spec: str) -> None:
                 f"its name, so the second would never act on its own); keep one, e.g. {seen[method.name].spec()}"
             )
         seen[method.name] = method
+
+
+def _check_prefill_shapers(methods: Sequence[Method], spec: str) -> None:
+    """A method that chooses which prompt tokens the later layers compute (FastKV) chooses among all of them:
+    no method before it may have dropped or moved any."""
+    for index, method in enumerate(methods):
+        earlier = [m for m in methods[:index] if _stage(m) is not None]
+        if method.shapes_prefill and earlier:
+            ordered = [method, *(m for m in methods if m is not method)]
+            raise MethodParameterError(
+                f"{spec!r}: {method.name} selects among the whole prompt's tokens, but {earlier[0].spec()} acts "
+                f"first; put {method.name} first: {'+'.join(m.spec() for m in ordered)!r}"
+            )
 
 
 def _stage(method: Method) -> int | None:

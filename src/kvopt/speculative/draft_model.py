@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.errors import KVOptError
+from kvopt.models.forward import cache_kwargs
 
 
 @dataclass
@@ -62,4 +63,4 @@ class DraftModel:
 
     def _forward(self, ids: list[int], device) -> torch.Tensor:
         batch = torch.tensor([ids], device=device)
-        return self.draft(input_ids=batch, past_key_values=self.draft_cache, use_cache=True, logits_to_keep=1).logits[0]
+        return self.draft(input_ids=batch, **cache_kwargs(self.draft, self.draft_cache), use_cache=True, logits_to_keep=1).logits[0]

@@ -17,6 +17,7 @@ import torch
 
 from kvopt.cache import KVCache
 from kvopt.errors import KVOptError
+from kvopt.models.forward import cache_kwargs
 from kvopt.speculative.control import DraftControl
 from kvopt.speculative.sampling import Sampler
 from kvopt.speculative.spec import Proposer, parse_proposer
@@ -139,13 +140,13 @@ def _prefill(model, cache: KVCache, ids: torch.Tensor, tokenizer) -> torch.Tenso
     if cache.needs_prefill_pass and ids.shape[-1] > 1:  # kvzip: compress all but the last token with the ids in hand
         cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
         ids = ids[:, -1:]
-    return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]
+    return model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[0]
 
 
 def _forward(model, cache: KVCache, tokens: list[int]) -> torch.Tensor:
     """Feed ``tokens``; logits ``[len(tokens), vocab]``."""
     ids = torch.tensor([tokens], device=model.device)
-    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    return model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0]
 
 
 def _stop_tokens(model, eos_token_id) -> set[int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.errors import KVOptError
+from kvopt.models.forward import cache_kwargs
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SelfSpeculation:
         with self.cache.speculate(layers=self.layers), first_layers(self.decoder, self.layers):  # forgotten on exit
             for _ in range(count):
                 ids = torch.tensor([[last]], device=self.model.device)
-                logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits[0]
+                logits = self.model(input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True).logits[0]
                 q = self.sampler.probs(logits)[0]
                 last = self.sampler.draw(q)
                 drafts.append(last)

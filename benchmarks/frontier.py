@@ -1,0 +1,519 @@
+"""Methods that cut time, not only bytes (#16), on the default model: FastKV's prefill, RocketKV's decode, TreeKV's
+streaming perplexity, and a prefill-cheap query-agnostic method next to KVzip.
+
+    python benchmarks/frontier.py                                 # every step: hours on 2 shared cores; resumable
+    python benchmarks/frontier.py --steps prefill,cost,decode,profile  # the timed steps only (~1 h)
+
+Steps (one torch thread each; timings interleaved method by method within a repeat, medians kept):
+
+* ``prefill``: a prompt of local real text at 4k and 8k tokens prefilled by ``full``, ``fastkv`` and ``snapkv`` at
+  the same KV budget, each on its own (fastkv's prefill differs: nothing is replayed).
+* ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own.
+* ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512, and
+  ``snapkv`` keeping the bytes each rocketkv budget stores (summaries included); one recorded prefill replayed.
+* ``decode-qwen``: the same at 16k tokens on Qwen2.5-Coder-0.5B (32k positions), where installed.
+* ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
+  the LM head), for ``full`` and ``rocketkv``; and rocketkv's stage 2 on one layer: the approximate search, the
+  exact attention over its top-k, and plain attention over every kept token, with the elements each reads.
+* ``aware``: accuracy with the question inside the prefill (passkey, niah, niah_multivalue at 4k and 8k) for
+  every method of ``prefill`` and ``decode`` (fastkv prefills itself; the others replay one prefill per prompt).
+* ``stream``: streaming perplexity over 8,000 tokens of real text, fed 16 at a time, at a 1,024-token cache:
+  ``treekv``, ``streamingllm``, ``tova``, ``h2o`` (and ``full``).
+* ``agnostic``: the prefill-cheap method against ``kvzip`` and ``tova`` at 75% and 90% removed, query-agnostic
+  (the context is compressed before the question is seen), 8 samples per task and length: accuracy, the share of
+  full's answers kept, and the prefill seconds (the shared lossless prefill plus each method's own work).
+
+Rows: benchmarks/results/frontier.jsonl, each tagged with its ``step``. The accuracy steps run through the
+evaluation harness, whose resumable working files live under results/frontier/<step>/ (ignored); their rows
+are copied in when a step finishes. :func:`render` writes the BENCHMARKS.md section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ROOT / "benchmarks" / "results" / "frontier.jsonl"
+WORK = ROOT / "results" / "frontier"
+CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention): compare ratios, not absolute speeds"
+MODEL = "SmolLM2-135M-Instruct"
+TASKS = ["passkey", "niah", "niah_multivalue"]
+#: FastKV's paper setting (retain 10% of the KV, propagate 20% of the tokens), SnapKV at the same KV budget, and
+#: SnapKV with FastKV's scoring (window 8, max pooling over 7): FastKV without its propagation.
+PREFILL = ["full", "fastkv:ratio=0.9", "snapkv:ratio=0.9", "snapkv:ratio=0.9,window=8,kernel=7,pooling=max"]
+PREFILL_LENGTHS = [4096, 8192]
+DECODE_LENGTH = 8192
+#: The longer-context model the decode step also runs on, where installed (32k positions), and its prompt.
+QWEN, QWEN_LENGTH = "qwen2.5-coder-0.5b", 16384
+ROCKET_BUDGETS = [256, 512]
+#: Tokens per forward in the streaming step (decode-time eviction acts after each forward).
+STREAM_CHUNK = 16
+STREAM = ["full", "treekv:budget=1024", "streamingllm:sinks=4,window=1020", "tova:budget=1024", "h2o:budget=1024"]
+CHEAP = "shallowzip"
+AGNOSTIC = ["full", *(f"{m}:ratio={r}" for r in (0.75, 0.9) for m in (CHEAP, "kvzip", "tova"))]
+AGNOSTIC_LENGTHS = [2048]
+#: The query-agnostic methods' prefill cost measured on its own (``prefill`` step) at a longer prompt too.
+AGNOSTIC_COST = ["full", "shallowzip:ratio=0.75", "kvzip:ratio=0.75"]
+AGNOSTIC_COST_LENGTHS = [2048, 4096]
+
+
+def decode_methods(info, length: int = DECODE_LENGTH) -> list[str]:
+    """full, rocketkv at each token budget, and snapkv holding the bytes that budget stores after ``length`` tokens."""
+    specs = ["full"]
+    for budget in ROCKET_BUDGETS:
+        specs += [f"rocketkv:budget={budget}", f"snapkv:budget={equal_bytes_budget(info, length, budget)}"]
+    return specs
+
+
+def equal_bytes_budget(info, length: int, budget: int) -> int:
+    """Tokens snapkv keeps (per layer and KV head, positions included) to hold what ``rocketkv:budget`` stores
+    after a ``length``-token prompt: its stage-1 capacity plus the chunk summaries."""
+    from kvopt.memory import estimate
+    from kvopt.methods import parse
+    from kvopt.methods.quantization import dense_bytes
+
+    stored = estimate(info, length, 1, parse(f"rocketkv:budget={budget}"), dtype=torch.float32).total_bytes
+    return round(stored / (dense_bytes(1, info.num_kv_heads, info.head_dim, 4, evicted=True) * info.num_layers))
+
+
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    from kvopt.eval.tasks.text import real_text
+
+    ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def stamp(rows: list[dict], step: str) -> list[dict]:
+    extra = {"step": step, "model": MODEL, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d"),
+             "machine": platform.processor() or platform.machine()}  # fmt: skip
+    return [{**extra, **row} for row in rows]  # a row's own model (the Qwen decode rows) stays
+
+
+# -- timed steps --------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def measure_prefill(model, tokenizer, repeats: int) -> list[dict]:
+    from kvopt.api import build_cache
+    from kvopt.eval.decoding import forward
+
+    rows = []
+    for length in PREFILL_LENGTHS:
+        ids = prompt_ids(tokenizer, length)
+        forward(model, ids[:256], build_cache("full", model), 0)  # warm-up
+        for repeat in range(repeats):
+            for spec in PREFILL:
+                cache = build_cache(spec, model)
+                began = time.perf_counter()
+                forward(model, ids, cache, 0)
+                seconds = time.perf_counter() - began
+                rows.append({"method": spec, "length": length, "repeat": repeat, "prefill_s": round(seconds, 3),
+                             "kv_bytes": cache.nbytes()})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def measure_agnostic_cost(model, tokenizer, repeats: int) -> list[dict]:
+    """Prefill time of the query-agnostic methods, each prefilling on its own (reconstruction pass included)."""
+    from kvopt.api import build_cache
+
+    rows = []
+    for length in AGNOSTIC_COST_LENGTHS:
+        ids = torch.tensor([prompt_ids(tokenizer, length)])
+        for repeat in range(repeats):
+            for spec in AGNOSTIC_COST:
+                cache = build_cache(spec, model)
+                began = time.perf_counter()
+                cache.prefill(model, ids, tokenizer=tokenizer)
+                rows.append({"method": spec, "length": length, "repeat": repeat,
+                             "prefill_s": round(time.perf_counter() - began, 3)})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int = DECODE_LENGTH,
+                   label: str = MODEL) -> list[dict]:  # fmt: skip
+    from kvopt.eval.contenders import parse_contender
+    from kvopt.eval.decoding import QUERY_AWARE, run_prompt, shared_prefill
+    from kvopt.models.info import ModelInfo
+
+    ids = prompt_ids(tokenizer, length - new_tokens - 8)  # the decoded tokens fit in the ``length`` positions
+    contenders = [parse_contender(spec) for spec in decode_methods(ModelInfo.from_config(model.config), length)]
+    shared = shared_prefill(model, ids)
+    rows = []
+    for repeat in range(repeats):
+        for contender in contenders:
+            outcome = run_prompt(model, contender, ids, [], new_tokens, QUERY_AWARE, set(), tokenizer, shared)
+            rows.append({"method": contender.spec, "length": length, "repeat": repeat, "new_tokens": new_tokens,
+                         "decode_tok_s": round(outcome.decode_tok_s, 3), "kv_bytes": outcome.kv_bytes_peak,
+                         "model": label})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def measure_profile(model, tokenizer, steps: int) -> list[dict]:
+    """A decode step's time in kvopt's attention calls vs the rest; rocketkv's stage 2 taken apart on one layer."""
+    from transformers import AttentionInterface
+
+    from kvopt.api import build_cache
+    from kvopt.cache import attention
+    from kvopt.cache.sparse import SparseKV
+    from kvopt.eval.decoding import forward, shared_prefill
+
+    ids = prompt_ids(tokenizer, DECODE_LENGTH - steps - 8)
+    shared = shared_prefill(model, ids)
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return attention.kvopt_attention(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - began
+
+    rows = []
+    try:
+        for spec in ("full", f"rocketkv:budget={ROCKET_BUDGETS[0]}"):
+            cache = build_cache(spec, model)  # registers kvopt's attention function anew
+            AttentionInterface.register(attention.ATTENTION_NAME, timed)
+            cache.replay_prefill(shared.cache)
+            token, position = int(shared.logits.argmax()), len(ids)
+            forward(model, [token], cache, position)  # warm-up
+            spent[0], totals = 0.0, []
+            for step in range(steps):
+                began = time.perf_counter()
+                token = int(forward(model, [token], cache, position + 1 + step).argmax())
+                totals.append(time.perf_counter() - began)
+            step_ms, attention_ms = 1000 * sum(totals) / steps, 1000 * spent[0] / steps
+            rows.append({"part": "decode step", "method": spec, "length": DECODE_LENGTH, "steps": steps,
+                         "step_ms": round(step_ms, 2), "attention_ms": round(attention_ms, 2),
+                         "attention_share": round(attention_ms / step_ms, 3)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        attention.register()
+    rows.append(stage_two_parts(cache.layers[len(cache.layers) // 2].parts_of(SparseKV)[0].rows[0], model, steps))
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def stage_two_parts(row, model, repeats: int) -> dict:
+    """One layer's rocketkv stage 2 for one query: the search, the exact top-k attention, and all kept tokens read."""
+    from kvopt.cache.attention import attention_with_lse
+
+    heads, dim = model.config.num_attention_heads, row.keys.shape[-1]
+    query = torch.randn(1, heads, 1, dim)
+    scale = dim**-0.5
+
+    def clock(work) -> float:
+        work()
+        began = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        return 1e6 * (time.perf_counter() - began) / repeats
+
+    split, kept = row.split, (row.keys[None], row.values[None])
+    return {
+        "part": "stage 2 (one layer)", "method": f"rocketkv:budget={ROCKET_BUDGETS[0]}", "length": DECODE_LENGTH,
+        "kept_tokens": len(row), "chunk": split.chunk, "channels": split.channels, "topk": split.topk,
+        "search_us": round(clock(lambda: row.select(query[0, :, 0])), 1),
+        "sparse_attention_us": round(clock(lambda: row.attend(query, scale, None)), 1),
+        "dense_attention_us": round(clock(lambda: attention_with_lse(query, *kept, None, scale)), 1),
+        "index_elements_read": row.key_bounds.shape[-1] * split.channels * row.keys.shape[0],
+        "key_elements": row.keys.numel(),
+        "kv_elements_read_sparse": 2 * split.topk * dim * row.keys.shape[0],
+        "kv_elements_read_dense": row.keys.numel() + row.values.numel(),
+    }  # fmt: skip
+
+
+# -- accuracy steps (the evaluation harness) --------------------------------------------------------------------
+
+
+def accuracy(step: str, loaded, samples: int) -> list[dict]:
+    from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
+    from kvopt.eval.runner import EvalGrid, run_eval
+    from kvopt.models.info import ModelInfo
+
+    model = loaded[0]
+    if step == "aware":
+        specs = list(dict.fromkeys([*PREFILL, *decode_methods(ModelInfo.from_config(model.config))]))
+        grid = EvalGrid(TASKS, PREFILL_LENGTHS, specs, depths=1, samples=samples, modes=[QUERY_AWARE])
+    elif step == "agnostic":
+        grid = EvalGrid(TASKS, AGNOSTIC_LENGTHS, AGNOSTIC, depths=1, samples=samples, modes=[QUERY_AGNOSTIC])
+    else:
+        grid = EvalGrid(["ppl"], [], STREAM, ppl_tokens=8000, ppl_chunk=STREAM_CHUNK)
+    path = run_eval(grid, WORK / step, loaded=loaded, progress=False)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- the section ------------------------------------------------------------------------------------------------
+
+
+def render(rows: list[dict]) -> str:
+    """The BENCHMARKS.md section for these rows (markdown)."""
+    if not rows:
+        return ""
+    by_step: dict[str, list[dict]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    lines = [
+        "## Methods that cut time: FastKV prefill, RocketKV decode, TreeKV streaming, a prefill-cheap rival to KVzip",
+        "",
+        f"`python benchmarks/frontier.py` (rows: `benchmarks/results/frontier.jsonl`), {MODEL} (fp32), {CONDITIONS}. "
+        "Accuracy: share of prompts answered, with its 95% Wilson interval; `kept` is the share of `full`'s correct "
+        "answers the method also gives, on the same prompts.",
+        "",
+    ]
+    for part in (_prefill_part, _decode_part, _profile_part, _stream_part, _agnostic_part):
+        lines += part(by_step)
+    return "\n".join(lines) + "\n"
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(row[key] for row in rows)
+
+
+def _accuracy(rows: list[dict]) -> str:
+    from kvopt.eval.report import wilson_interval
+
+    if not rows:
+        return ""
+    hits = sum(row["score"] for row in rows)
+    low, high = wilson_interval(hits, len(rows))
+    return f"{hits / len(rows):.0%} [{100 * low:.0f}–{100 * high:.0f}] (n={len(rows)})"
+
+
+def _kept(rows: list[dict], reference: list[dict]) -> str:
+    """Share of the reference's correct answers (same task, length, depth, sample) also answered by ``rows``."""
+    from kvopt.eval.report import wilson_interval
+
+    key = lambda r: (r["task"], r["length"], r["depth"], r["sample"])  # noqa: E731
+    correct = {key(r) for r in reference if r["score"] >= 1}
+    paired = [r for r in rows if key(r) in correct]
+    if not paired:
+        return ""
+    hits = sum(r["score"] for r in paired)
+    low, high = wilson_interval(hits, len(paired))
+    return f"{hits / len(paired):.0%} [{100 * low:.0f}–{100 * high:.0f}] (of {len(paired)})"
+
+
+def _eval_rows(by_step: dict, step: str, method: str, length: int) -> list[dict]:
+    return [r for r in by_step.get(step, []) if r["method"] == method and r["length"] == length]
+
+
+def _aware_cells(by_step: dict, spec: str, length: int) -> str:
+    """The accuracy and kept-of-full cells of ``spec`` at ``length`` in the query-aware grid."""
+    answered = _eval_rows(by_step, "aware", spec, length)
+    kept = _kept(answered, _eval_rows(by_step, "aware", "full", length)) if spec != "full" else ""
+    return f"{_accuracy(answered)} | {kept}"
+
+
+def _prefill_part(by_step: dict) -> list[str]:
+    rows = by_step.get("prefill", [])
+    if not rows:
+        return []
+    lines = [
+        "### Prefill: FastKV's token-selective propagation",
+        "",
+        "A prompt of local real text prefilled by each method on its own (median of "
+        f"{max(r['repeat'] for r in rows) + 1} interleaved runs); accuracy with the question inside the prefill "
+        "(step `aware`), same lengths.",
+        "",
+        "| length | method | prefill s | speed-up vs `full` | KV held | accuracy (query-aware) | kept of `full`'s |",
+        "|---:|---|---:|---:|---:|---|---|",
+    ]
+    for length in PREFILL_LENGTHS:
+        full = _median([r for r in rows if r["length"] == length and r["method"] == "full"], "prefill_s")
+        for spec in PREFILL:
+            group = [r for r in rows if r["length"] == length and r["method"] == spec]
+            if not group:
+                continue
+            seconds = _median(group, "prefill_s")
+            held = group[-1]["kv_bytes"] / 1e6
+            lines.append(
+                f"| {length} | `{spec}` | {seconds:.2f} | {full / seconds:.2f}x | {held:.1f} MB | "
+                f"{_aware_cells(by_step, spec, length)} |"
+            )
+    return [*lines, ""]
+
+
+def _decode_part(by_step: dict) -> list[str]:
+    rows = by_step.get("decode", [])
+    lines = []
+    for model, length in dict.fromkeys((r["model"], r["length"]) for r in rows):
+        runs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+        full = _median([r for r in runs if r["method"] == "full"], "decode_tok_s")
+        accuracy = model == MODEL and length == DECODE_LENGTH  # the query-aware grid ran on the default model
+        lines += [
+            f"### Decode at {length} tokens ({model}): RocketKV's sparse attention vs SnapKV at equal stored bytes",
+            "",
+            f"{runs[0]['new_tokens']} tokens decoded after one recorded prefill of local real text (median of "
+            f"{max(r['repeat'] for r in runs) + 1} interleaved runs). `snapkv:budget=N` keeps the bytes the "
+            "rocketkv budget above it stores (its stage-1 tokens plus the chunk summaries)."
+            + (f" Accuracy: question inside the prefill, {length}-token prompts (step `aware`)." if accuracy else ""),
+            "",
+            "| method | KV held | decode tok/s | vs `full` | accuracy (query-aware) | kept of `full`'s |",
+            "|---|---:|---:|---:|---|---|",
+        ]
+        for spec in dict.fromkeys(r["method"] for r in runs):
+            group = [r for r in runs if r["method"] == spec]
+            speed = _median(group, "decode_tok_s")
+            cells = _aware_cells(by_step, spec, length) if accuracy else " | "
+            lines.append(f"| `{spec}` | {group[-1]['kv_bytes'] / 1e6:.1f} MB | {speed:.2f} | {speed / full:.2f}x | {cells} |")
+        lines.append("")
+    return lines
+
+
+def _profile_part(by_step: dict) -> list[str]:
+    rows = by_step.get("profile", [])
+    steps = [r for r in rows if r["part"] == "decode step"]
+    parts = [r for r in rows if r["part"] != "decode step"]
+    if not steps:
+        return []
+    lines = [
+        f"### Where a decode step's time goes at {DECODE_LENGTH} tokens",
+        "",
+        "Each layer's call of kvopt's attention timed inside a decode step (the rest is the linears, norms, RoPE and "
+        f"the LM head); mean of {steps[0]['steps']} steps. The model reads its ~540 MB of fp32 weights every step "
+        "whatever the cache, so attention's share bounds what any sparse attention can gain: a step cannot get "
+        "faster than the time outside attention.",
+        "",
+        "| method | step ms | attention ms | attention share | bound on speed-up (no attention at all) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in steps:
+        rest = row["step_ms"] - row["attention_ms"]
+        lines.append(
+            f"| `{row['method']}` | {row['step_ms']:.1f} | {row['attention_ms']:.1f} | {row['attention_share']:.0%} | "
+            f"{row['step_ms'] / rest:.2f}x |"
+        )
+    for row in parts:
+        lines += [
+            "",
+            f"RocketKV's stage 2 on one layer of `{row['method']}` ({row['kept_tokens']} kept tokens, chunks of "
+            f"{row['chunk']}, {row['channels']} channels, top {row['topk']}), per query: the approximate search reads "
+            f"{row['index_elements_read']:,} index elements where the keys hold {row['key_elements']:,} "
+            f"({row['index_elements_read'] / row['key_elements']:.0%}); it takes {row['search_us']:.0f} µs, the whole "
+            f"sparse attention (search, gather, exact attention over {row['topk']} tokens: "
+            f"{row['kv_elements_read_sparse']:,} K/V elements) {row['sparse_attention_us']:.0f} µs, plain attention "
+            f"over every kept token ({row['kv_elements_read_dense']:,} elements) {row['dense_attention_us']:.0f} µs.",
+        ]
+    return [*lines, ""]
+
+
+def _stream_part(by_step: dict) -> list[str]:
+    rows = by_step.get("stream", [])
+    if not rows:
+        return []
+    lines = [
+        "### Streaming perplexity at a 1,024-token cache",
+        "",
+        f"{rows[0]['tokens'] + 1:,} tokens of local real text ({rows[0]['text_source']}) fed {rows[0]['chunk']} "
+        "tokens per forward (decode-time eviction acts after each); every compressed cache keeps 1,024 tokens.",
+        "",
+        f"| method | perplexity | perplexity (first {rows[0]['first_tokens']:,}) | KV held at the end | tok/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in sorted(rows, key=lambda r: r["ppl"]):
+        lines.append(
+            f"| `{row['method']}` | {row['ppl']:.3f} | {row['ppl_first']:.3f} | {row['kv_bytes_end'] / 1e6:.1f} MB | "
+            f"{row['decode_tok_s']:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def _agnostic_part(by_step: dict) -> list[str]:
+    rows = by_step.get("agnostic", [])
+    if not rows:
+        return []
+    key = lambda r: (r["task"], r["length"], r["depth"], r["sample"])  # noqa: E731
+    full = {key(r): r for r in rows if r["method"] == "full"}
+    lines = [
+        f"### Query-agnostic: `{CHEAP}` vs `kvzip`",
+        "",
+        f"{', '.join(TASKS)} at {', '.join(map(str, AGNOSTIC_LENGTHS))} tokens, the context compressed before the "
+        f"question is seen. Prefill s: the shared lossless prefill plus the method's own work (KVzip's reconstruction "
+        "pass); `vs full` divides by the `full` row's prefill on the same prompt (median over prompts).",
+        "",
+        "| method | accuracy | kept of `full`'s | prefill s (median) | vs `full`'s prefill |",
+        "|---|---|---|---:|---:|",
+    ]
+    for spec in dict.fromkeys(r["method"] for r in rows):
+        group = [r for r in rows if r["method"] == spec]
+        ratio = statistics.median(r["prefill_s"] / full[key(r)]["prefill_s"] for r in group if key(r) in full)
+        kept = _kept(group, list(full.values())) if spec != "full" else ""
+        lines.append(f"| `{spec}` | {_accuracy(group)} | {kept} | {_median(group, 'prefill_s'):.2f} | {ratio:.2f}x |")
+    return [*lines, "", *_cost_part(by_step)]
+
+
+def _cost_part(by_step: dict) -> list[str]:
+    rows = by_step.get("cost", [])
+    if not rows:
+        return []
+    lines = [
+        "Prefill cost on its own (step `cost`: a prompt of local real text, each method prefilling alone, the "
+        f"reconstruction pass included; median of {max(r['repeat'] for r in rows) + 1} interleaved runs):",
+        "",
+        "| length | method | prefill s | vs `full` |",
+        "|---:|---|---:|---:|",
+    ]
+    for length in AGNOSTIC_COST_LENGTHS:
+        full = _median([r for r in rows if r["length"] == length and r["method"] == "full"], "prefill_s")
+        for spec in AGNOSTIC_COST:
+            seconds = _median([r for r in rows if r["length"] == length and r["method"] == spec], "prefill_s")
+            lines.append(f"| {length} | `{spec}` | {seconds:.2f} | {seconds / full:.2f}x |")
+    return [*lines, ""]
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+DEFAULT_STEPS = "prefill,cost,decode,decode-qwen,profile,aware,stream,agnostic"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", default=DEFAULT_STEPS)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each timed method")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8, help="prompts per task and length in the accuracy steps")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import kvopt
+
+    loaded = kvopt.load_model()
+    model, tokenizer = loaded
+    for step in args.steps.split(","):
+        if step == "prefill":
+            new = measure_prefill(model, tokenizer, args.repeats)
+        elif step == "cost":
+            new = measure_agnostic_cost(model, tokenizer, args.repeats)
+        elif step == "decode":
+            new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
+        elif step == "decode-qwen":  # the longer-context model, where installed
+            new = measure_decode(*kvopt.load_model(QWEN), args.repeats, args.new_tokens, QWEN_LENGTH, QWEN)
+        elif step == "profile":
+            new = measure_profile(model, tokenizer, args.profile_steps)
+        elif step in ("aware", "stream", "agnostic"):
+            new = accuracy(step, loaded, args.samples)
+        else:
+            raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
+        old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
+        kept = [row for row in old if row["step"] != step]
+        ROWS.parent.mkdir(parents=True, exist_ok=True)
+        ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + stamp(new, step)))
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+    print(render(rows))
+
+
+if __name__ == "__main__":
+    main()
