@@ -27,7 +27,7 @@ MOVERS = [*QUANTIZERS, "minicache:start=0.3"]
 #: The pairs that work: prefill-time eviction in the dense store, then quantization; merging after an
 #: eviction that keeps the same tokens in every layer. Every other pair is refused when parsed.
 COMPOSABLE = {
-    *((f"{name}:ratio=0.5", quantizer) for name in ("snapkv", "pyramidkv", "knorm", "random", "window")
+    *((f"{name}:ratio=0.5", quantizer) for name in ("snapkv", "pyramidkv", "knorm", "random", "window", "fastkv")
       for quantizer in QUANTIZERS),  # fmt: skip
     ("window:ratio=0.5", "minicache:start=0.3"),
 }
