@@ -5,6 +5,7 @@ Commands run in-process through ``main()`` (a subprocess each would cost seconds
 one test sends a real SIGINT to a real ``kvopt`` process.
 """
 
+import signal
 import subprocess
 import sys
 
@@ -119,7 +120,11 @@ def test_ctrl_c_stops_with_130_and_one_line():
         "sys.argv = ['kvopt', 'generate', 'Write a long story']\n"
         "main()\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # A job started in the background inherits SIGINT ignored (Python then installs no handler): restore a
+    # terminal's default in the child, which is what a user pressing Ctrl-C has.
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            preexec_fn=default_sigint)  # fmt: skip
     assert result.returncode == 130, result.stderr
     assert result.stderr.strip() == "interrupted"
 
