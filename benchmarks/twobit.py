@@ -148,7 +148,7 @@ def render(rows: list[dict]) -> str:
             f"{', '.join(map(str, meta['lengths']))} tokens, {meta['prompts_per_cell']} prompts per task and length "
             f"(needle depths), query-agnostic; streaming perplexity over {meta['ppl_tokens']} tokens of "
             f"{meta['text_source']} in chunks of {meta['ppl_chunk']}; {meta['conditions']}. "
-            "Kept = share of full's answers kept (accuracy / full's accuracy). Bytes per token: `kvopt memory` "
+            "Accuracy: mean score with its 95% Wilson interval. Kept = share of full's answers kept (accuracy / full's accuracy). Bytes per token: `kvopt memory` "
             "at 4,096 tokens for an fp16 cache (residual and sinks included); held = peak bytes really held on "
             "the longest prompts (question and answer included) as a share of full's; per model = levels, key "
             f"envelopes, RoPE tables and predictors, held once per model. {meta.get('notes', '')}"
@@ -170,7 +170,7 @@ def render(rows: list[dict]) -> str:
         speed = f"{decode[spec]['decode_tok_s']:.2f}" if spec in decode else "-"
         if spec in decode and "kivi:bits=2" in decode and spec != "kivi:bits=2":
             speed += f" ({decode[spec]['decode_tok_s'] / decode['kivi:bits=2']['decode_tok_s']:.2f}x kivi)"
-        accuracy = f"{row['accuracy']:.0%}" if row["accuracy"] is not None else "-"
+        accuracy = _with_interval(row["accuracy"], row["prompts"]) if row["accuracy"] is not None else "-"
         held = f"{row['held_x_full']:.3f}x" if row.get("held_x_full") is not None else "-"
         model_bytes = f"{row['model_bytes'] / 1e6:.1f} MB" if row.get("model_bytes") else "-"
         per_token = f"{per_token:.0f}" if per_token else "-"
@@ -183,6 +183,14 @@ def render(rows: list[dict]) -> str:
     for spec, row in summary.items():
         lines.append(f"| `{spec}` | " + " | ".join(f"{row['cells'].get(key, 0):.0%}" for key in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _with_interval(mean: float, prompts: int) -> str:
+    """``mean`` with its 95% Wilson interval over ``prompts`` (the eval report's cells)."""
+    from kvopt.eval.report import wilson_interval
+
+    low, high = wilson_interval(mean * prompts, prompts)
+    return f"{mean:.0%} [{100 * low:.0f}–{100 * high:.0f}] (n={prompts})"
 
 
 def main() -> None:
