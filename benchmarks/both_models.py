@@ -146,7 +146,8 @@ def section(models: list[tuple[str, Path]]) -> list[str]:
         SUMMARY,
         "",
         "Each headline recomputed from each model's rows (sections below); `kept` is the share of full's "
-        "answers kept with its 95% Wilson interval.",
+        "answers kept with its 95% Wilson interval. `not measured`: that model's results folder has no rows for it "
+        "yet (a section marked as kept from an earlier run has none).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

@@ -148,6 +148,7 @@ def main() -> None:
         "or none: compose BENCHMARKS.md from the committed rows",
     )  # fmt: skip
     args = with_model_defaults(parser.parse_args())
+    args.results.mkdir(parents=True, exist_ok=True)  # a second model's first run has no rows folder yet
     second = args.model is not None
     steps = set(args.steps.split(","))
     if second and steps - set(SECOND_MODEL_STEPS.split(",")) - {"none"}:
