@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvopt.eval.contenders import parse_contender
 from kvopt.eval.report import Retention, retention
 
 #: Rows of kvopt's eval grid per model folder, and of the steps that measure bytes and speed.
@@ -115,7 +116,9 @@ def kivi_vs_quanto(bits: int) -> Callable[[Path], Finding]:
 
 def streaming_perplexity(folder: Path) -> Finding:
     ppl = {row["method"]: row["ppl"] for row in rows(folder, EVAL) if row.get("ppl") is not None}
-    sinks, window, full = ppl.get("streamingllm:sinks=4,window=1020"), ppl.get("window:size=1024"), ppl.get("full")
+    # rows name a contender by its canonical spec (defaults dropped: "window:size=1024" is "window")
+    sinks, window, full = (ppl.get(parse_contender(spec).spec)
+                           for spec in ("streamingllm:sinks=4,window=1020", "window:size=1024", "full"))  # fmt: skip
     if None in (sinks, window, full):
         return Finding("not measured", None)
     text = f"ppl full {full:.2f}, sinks + window {sinks:.2f} ({sinks / full - 1:+.1%}), window alone {window:.2f}"
@@ -159,6 +162,9 @@ def section(models: list[tuple[str, Path]]) -> list[str]:
         measured = [f for f in findings if f.holds is not None]
         if len(holding) == len(models):
             where = "both"
+        elif holding and len(measured) < len(models):  # no verdict where a model has no rows yet
+            unmeasured = [label for (label, _), f in zip(models, findings) if f.holds is None]
+            where = ", ".join(holding) + "; not measured on " + ", ".join(unmeasured)
         elif holding:
             where = ", ".join(holding) + " only"
         else:

@@ -346,7 +346,7 @@ def _prefill_part(by_step: dict) -> list[str]:
 
 
 def _decode_part(by_step: dict) -> list[str]:
-    rows = by_step.get("decode", [])
+    rows = by_step.get("decode", []) + by_step.get("decode-qwen", [])
     lines = []
     for model, length in dict.fromkeys((r["model"], r["length"]) for r in rows):
         runs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
