@@ -282,13 +282,10 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def _accuracy(rows: list[dict]) -> str:
-    from kvopt.eval.report import wilson_interval
+    from kvopt.eval.report import accuracy_score
 
-    if not rows:
-        return ""
-    hits = sum(row["score"] for row in rows)
-    low, high = wilson_interval(hits, len(rows))
-    return f"{hits / len(rows):.0%} [{100 * low:.0f}–{100 * high:.0f}] (n={len(rows)})"
+    score = accuracy_score(rows)
+    return score.cell() if score else ""
 
 
 def _kept(rows: list[dict], reference: list[dict]) -> str:

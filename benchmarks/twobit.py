@@ -133,6 +133,8 @@ def summaries(rows: list[dict], model, extras: dict[str, dict]) -> list[dict]:
 
 def render(rows: list[dict]) -> str:
     """The BENCHMARKS.md section for these rows (markdown)."""
+    from kvopt.eval.report import accuracy_score
+
     summary = {row["method"]: row for row in rows if row.get("kind") == "summary"}
     decode = {row["method"]: row for row in rows if row.get("kind") == "decode"}
     meta = next((row for row in rows if row.get("kind") == "meta"), None)
@@ -170,7 +172,8 @@ def render(rows: list[dict]) -> str:
         speed = f"{decode[spec]['decode_tok_s']:.2f}" if spec in decode else "-"
         if spec in decode and "kivi:bits=2" in decode and spec != "kivi:bits=2":
             speed += f" ({decode[spec]['decode_tok_s'] / decode['kivi:bits=2']['decode_tok_s']:.2f}x kivi)"
-        accuracy = _with_interval(row["accuracy"], row["prompts"]) if row["accuracy"] is not None else "-"
+        score = accuracy_score([r for r in rows if r.get("method") == spec and r.get("task") not in (None, "ppl")])
+        accuracy = score.cell() if score else "-"
         held = f"{row['held_x_full']:.3f}x" if row.get("held_x_full") is not None else "-"
         model_bytes = f"{row['model_bytes'] / 1e6:.1f} MB" if row.get("model_bytes") else "-"
         per_token = f"{per_token:.0f}" if per_token else "-"
@@ -183,14 +186,6 @@ def render(rows: list[dict]) -> str:
     for spec, row in summary.items():
         lines.append(f"| `{spec}` | " + " | ".join(f"{row['cells'].get(key, 0):.0%}" for key in cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _with_interval(mean: float, prompts: int) -> str:
-    """``mean`` with its 95% Wilson interval over ``prompts`` (the eval report's cells)."""
-    from kvopt.eval.report import wilson_interval
-
-    low, high = wilson_interval(mean * prompts, prompts)
-    return f"{mean:.0%} [{100 * low:.0f}–{100 * high:.0f}] (n={prompts})"
 
 
 def main() -> None:

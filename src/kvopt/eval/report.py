@@ -154,7 +154,7 @@ class Score:
         return f"{self.mean:.0%} [{self.low * 100:.0f}–{self.high * 100:.0f}] (n={self.n})"
 
 
-def _score(rows: list[Row]) -> Score | None:
+def accuracy_score(rows: list[Row]) -> Score | None:
     """Mean score with its Wilson interval; successes = sum of (possibly partial) scores."""
     if not rows:
         return None
@@ -207,8 +207,8 @@ def _accuracy_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str
     by_spec = _group(rows, _spec)
     body = []
     for info in _ordered({s: methods[s] for s in by_spec}):
-        scores = [_score(cells.get((info.spec, length), [])) for length in lengths]
-        scores.append(_score(by_spec[info.spec]))
+        scores = [accuracy_score(cells.get((info.spec, length), [])) for length in lengths]
+        scores.append(accuracy_score(by_spec[info.spec]))
         cells_text = [score.cell() if score else "–" for score in scores]
         held = _median(_kept_fraction(r) for r in by_spec[info.spec])
         held_text = f"{held:.2f}" if held is not None else "–"
@@ -436,7 +436,7 @@ def _plot_frontier(tasks: list[Row], methods: dict[str, MethodInfo], mode: str, 
     for spec, rows in _group(tasks, _spec).items():
         kept = [k for k in map(_kept_fraction, rows) if k is not None]
         if kept:
-            points.append((methods[spec], statistics.fmean(kept), _score(rows)))
+            points.append((methods[spec], statistics.fmean(kept), accuracy_score(rows)))
     if not points:
         return False
     figure = _figure()
