@@ -6,7 +6,8 @@ from test_kvquant import fitted
 from tiny_models import VOCAB, tiny_model
 
 import kvopt
-from kvopt.cache import prerope
+from kvopt.cache import nonuniform, prerope
+from kvopt.cache.crosslayer import product_dtype
 from kvopt.cache.nonuniform import NonUniformKV, decode_keys, decode_values, encode_keys, encode_values
 from kvopt.errors import MethodParameterError
 from kvopt.methods import parse
@@ -15,13 +16,15 @@ from kvopt.methods.recording import record_prefill
 SMALL = "aquakv:bits=2,residual=16,group=16,calibration=96"
 
 
-def slow_affine(weight: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """Obviously right: per token, the heads of every input concatenated, times the weight, plus the bias row."""
+def slow_affine(weight: torch.Tensor, inputs: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Obviously right: per token, the heads of every input concatenated, times the weight (both rounded to
+    ``dtype``, the sum in fp32 rounded to it too), plus the bias row."""
     heads, tokens, dim = inputs[0].shape
+    rounded = lambda x: x.to(dtype).float()  # noqa: E731
     out = torch.empty(weight.shape[1] // dim, tokens, dim)
     for t in range(tokens):
         features = torch.cat([x[h, t] for x in inputs for h in range(x.shape[0])])
-        out[:, t] = (features @ weight[:-1] + weight[-1]).reshape(-1, dim)
+        out[:, t] = (rounded(rounded(features) @ rounded(weight[:-1])) + weight[-1]).reshape(-1, dim)
     return out
 
 
@@ -36,21 +39,25 @@ def reference_reconstruction(method, model, post_keys: list, values: list, first
         pre = prerope.rotate(prerope.to_pairs(keys[None], table), positions, table, inverse=True)[0]
         predictor = method.predictors[layer]
         codec = method.residual_codecs[layer] if predictor is not None else method.codecs[layer]
-        predicted_keys = torch.zeros_like(pre) if predictor is None else slow_affine(predictor.key_weight, [below[0]])
+        predicted_keys = torch.zeros_like(pre) if predictor is None else slow_affine(predictor.key_weight, [below], product_dtype(below.device))
         rebuilt_keys = predicted_keys + decode_keys(encode_keys((pre - predicted_keys)[None], codec, group), codec)[0]
         predicted_values = (torch.zeros_like(vals) if predictor is None
-                            else slow_affine(predictor.value_weight, [rebuilt_keys, below[1]]))  # fmt: skip
+                            else slow_affine(predictor.value_weight, [rebuilt_keys, below]))  # fmt: skip
         residual = encode_values((vals - predicted_values)[None], codec)
         rebuilt_values = predicted_values + decode_values(residual, codec)[0]
-        below = rebuilt_keys, rebuilt_values
+        below = rebuilt_keys
         out.append((prerope.from_pairs(prerope.rotate(rebuilt_keys[None], positions, table), table)[0], rebuilt_values))
     return out
 
 
-def test_the_chain_matches_a_slow_layer_by_layer_reference_through_decoding(monkeypatch):
+@pytest.mark.parametrize("block_elements", [None, 1], ids=["one-block", "group-sized-blocks"])
+def test_the_chain_matches_a_slow_layer_by_layer_reference_through_decoding(monkeypatch, block_elements):
     """After a prefill and 40 decoded tokens (two more groups quantized), every layer's quantized tokens equal the
     slow reference's rebuilt from the vectors each layer was given, and attention over the codes (the chain
-    kept between layers, blocks, rotation in pair order) gives the logits of a lossless cache holding them."""
+    kept between layers, blocks, rotation in pair order, predicted values applied to attention-weighted sums
+    of keys) gives the logits of a lossless cache holding them."""
+    if block_elements is not None:
+        monkeypatch.setattr(nonuniform, "BLOCK_ELEMENTS", block_elements)
     model = tiny_model("llama")
     method = fitted(SMALL, model)[0]
     given: dict[int, list] = {}  # per layer: the post-RoPE keys and values handed to the quantizer, in order

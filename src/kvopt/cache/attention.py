@@ -271,20 +271,44 @@ def _fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
 
 def _explicit_attention_with_lse(query, keys, values, mask, scaling, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_with_lse` as an explicit fp32 softmax (soft-capping, non-CPU devices, reference)."""
-    batch, heads, q_len, dim = query.shape
-    kv_heads = keys.shape[1]
+    weights, lse = _softmax_weights(query, keys, mask, scaling, softcap)
+    batch, heads, q_len, _ = query.shape
+    output = torch.matmul(weights, values.float())
+    return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
+
+
+def attention_with_shared_sums(
+    query, keys, values, shared: list[torch.Tensor], mask, scaling, softcap=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(output [B, H, q, D], sums [B, H, q, E], lse [B, H, q])`` in fp32: attention, plus each query head's
+    attention-weighted sums of the ``shared`` tensors ``[B, S, T, D]`` that every head reads (``E`` = their
+    ``S * D`` channels, per token in :func:`~kvopt.cache.crosslayer.heads_as_features` order, tensor after tensor).
+
+    Values that are a linear function of such tensors need not be built per token: attention over
+    them is that function of these sums (AQUA-KV's value predictor, :mod:`kvopt.cache.nonuniform`).
+    Outputs and sums merge across key sets like outputs (:func:`merge_with_lse` on their concatenation)."""
+    weights, lse = _softmax_weights(query, keys, mask, scaling, softcap)
+    batch, heads, q_len, _ = query.shape
+    output = torch.matmul(weights, values.float()).reshape(batch, heads, q_len, -1)
+    rows = weights.reshape(batch, 1, heads * q_len, weights.shape[-1])  # query head-major, as the output
+    sums = [torch.matmul(rows, x.float()).transpose(1, 2).reshape(batch, heads, q_len, -1) for x in shared]
+    return output, torch.cat(sums, dim=-1), lse.reshape(batch, heads, q_len)
+
+
+def _softmax_weights(query, keys, mask, scaling, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention weights ``[B, H_kv, group * q, T]`` (the group folded into the query axis) and their lse."""
+    _, heads, _, dim = query.shape
+    batch, kv_heads = keys.shape[:2]
     group = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
-    folded = query.float().reshape(batch, kv_heads, group * q_len, dim) * scale
+    folded = query.float().reshape(batch, kv_heads, -1, dim) * scale
     scores = torch.matmul(folded, keys.float().transpose(-1, -2))  # [B, H_kv, g*q, T]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~_fold_mask(mask, group), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    output = torch.matmul(weights, values.float())
-    return output.reshape(batch, heads, q_len, -1), lse.reshape(batch, heads, q_len)
+    return torch.exp(scores - lse[..., None]).nan_to_num(0.0), lse
 
 
 def merge_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.cache import prerope
-from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
+from kvopt.cache.attention import attention_with_lse, attention_with_shared_sums, merge_with_lse, visibility
 from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quant import workspace
@@ -302,21 +302,19 @@ class DenseBlock:
 
 @dataclass
 class Reconstruction:
-    """Pre-RoPE keys and values ``[B, H, n, D]`` (fp32) of a part's quantized tokens ``first:first + n``, kept
-    between layers of one forward pass (see :meth:`NonUniformKV.reconstruct`); valid while the part holds
-    the ``codes`` tensor they were decoded from (parts grow into new tensors, and a rollback restores old ones)."""
+    """Pre-RoPE keys ``[B, H, n, D]`` (fp32) of a part's quantized tokens ``first:first + n``, kept between
+    layers of one forward pass (see :meth:`NonUniformKV.reconstruct_keys`); valid while the part holds the
+    ``codes`` tensor they were decoded from (parts grow into new tensors, and a rollback restores old ones)."""
 
     codes: torch.Tensor
     first: int
     keys: torch.Tensor
-    values: torch.Tensor
 
     def covers(self, codes: torch.Tensor, start: int, stop: int) -> bool:
         return codes is self.codes and self.first <= start and stop <= self.first + self.keys.shape[2]
 
-    def slice(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = slice(start - self.first, stop - self.first)
-        return self.keys[:, :, tokens], self.values[:, :, tokens]
+    def slice(self, start: int, stop: int) -> torch.Tensor:
+        return self.keys[:, :, start - self.first : stop - self.first]
 
 
 @dataclass
@@ -325,11 +323,12 @@ class NonUniformKV:
 
     With a ``predictor`` (AQUA-KV), the codes hold what it cannot explain: the residual of each
     pre-RoPE key from a linear function of the ``source`` part's reconstructed keys (the previous
-    quantized layer's, for the same tokens in the same slots), and of each value from this
-    layer's reconstructed keys and the source's values. Reading a token then needs the source's
-    reconstruction of it, and so on down the layers: each part that feeds another keeps its
-    reconstruction from its attention call (or its encoding) until the next layer has read it
-    (:class:`Reconstruction`, transient, not in ``nbytes``), so a forward pass decodes each layer once.
+    quantized layer's, for the same tokens in the same slots), and of each value from a linear
+    function of this layer's and the source's reconstructed keys. Reading a key then needs the
+    source's reconstruction of it, and so on down the layers: each part that feeds another keeps
+    its reconstructed keys from its attention call (or its encoding) until the next layer has read
+    them (:class:`Reconstruction`, transient, not in ``nbytes``), so a forward pass rebuilds each
+    layer's keys once. Predicted values are never rebuilt by attention (:meth:`attend`).
     """
 
     kind = "non-uniform quantized tokens (kvquant, aquakv)"
@@ -347,9 +346,14 @@ class NonUniformKV:
     source: NonUniformKV | None = None
 
     def __post_init__(self) -> None:
-        #: True once a later layer's part predicts from this one (see :meth:`reconstruct`).
+        #: True once a later layer's part predicts from this one (set by that part; see :meth:`reconstruct_keys`).
         self.feeds = False
         self.memo: Reconstruction | None = None
+        #: Place in the chain of predictions: the two live reconstructions of a forward pass (a layer's and its
+        #: source's) alternate between two workspaces by it.
+        self.depth = 0 if self.source is None else self.source.depth + 1
+        if self.source is not None:
+            self.source.feeds = True
 
     @classmethod
     def encode(
@@ -365,15 +369,13 @@ class NonUniformKV:
         values = values.float()
         if predictor is None:
             return cls(encode_keys(pre_rope, codec, group), encode_values(values, codec), index, codec, rope, offsets)
-        source_keys, source_values = source.reconstruct(first, first + keys.shape[2])
+        source_keys = source.reconstruct_keys(first, first + keys.shape[2])
         predicted = predictor.keys(source_keys)
         stored_keys = encode_keys(pre_rope - predicted, codec, group)
         keys = decode_keys(stored_keys, codec).add_(predicted)  # the decoder's keys, which values are predicted from
-        predicted = predictor.values(keys, source_values)
-        stored_values = encode_values(values - predicted, codec)
+        stored_values = encode_values(values - predictor.values(keys, source_keys), codec)
         part = cls(stored_keys, stored_values, index, codec, rope, offsets, predictor=predictor, source=source)
-        values = decode_values(stored_values, codec).add_(predicted)
-        part.memo = Reconstruction(stored_keys.codes, first, keys, values)
+        part.memo = Reconstruction(stored_keys.codes, first, keys)
         return part
 
     def __len__(self) -> int:
@@ -389,11 +391,10 @@ class NonUniformKV:
         self.index = self.index.cat(other.index)
         new = other.memo
         if new is None or kept is None:
-            self.memo = None if new is None else Reconstruction(self.keys.codes, held, new.keys, new.values)
+            self.memo = None if new is None else Reconstruction(self.keys.codes, held, new.keys)
         else:
-            old_keys, old_values = kept.slice(kept.first, held)
-            keys, values = torch.cat([old_keys, new.keys], dim=2), torch.cat([old_values, new.values], dim=2)
-            self.memo = Reconstruction(self.keys.codes, kept.first, keys, values)
+            keys = torch.cat([kept.slice(kept.first, held), new.keys], dim=2)
+            self.memo = Reconstruction(self.keys.codes, kept.first, keys)
 
     def nbytes(self) -> int:
         held = self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
@@ -404,30 +405,39 @@ class NonUniformKV:
         counts = self.index.valid_counts()
         return counts + self.sinks.index.valid_counts() if self.sinks is not None else counts
 
-    def reconstruct(self, start: int, stop: int, into: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``: the kept
-        reconstruction when it covers them, else decoded (plus the predictions from the source's tokens).
-        With ``into``, a part without predictor writes them into reused workspace buffers of that name."""
+    def reconstruct_keys(self, start: int, stop: int, into: str | None = None) -> torch.Tensor:
+        """Pre-RoPE keys ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``: the kept
+        reconstruction when it covers them, else decoded (plus the prediction from the source's keys), into
+        the reused workspace ``into`` when named."""
         if self.memo is not None and self.memo.covers(self.keys.codes, start, stop):
             return self.memo.slice(start, stop)
-        into = into if self.predictor is None else None
-        shape = (*self.values.codes.shape[:2], stop - start, self.values.codes.shape[-1] * PACK // self.codec.bits)
-        device = self.values.codes.device
-        buffers = [None if into is None else workspace(f"{into}:{name}", shape, torch.float32, device)
-                   for name in ("keys", "values")]  # fmt: skip
-        keys = decode_keys(self.keys.narrow(start, stop), self.codec, buffers[0])
-        values = decode_values(self.values.narrow(start, stop), self.codec, buffers[1])
+        buffer = None if into is None else workspace(into, self._shape(start, stop), torch.float32, self._device)
+        keys = decode_keys(self.keys.narrow(start, stop), self.codec, buffer)
         if self.predictor is not None:
-            source_keys, source_values = self.source.reconstruct(start, stop)
-            self.predictor.keys(source_keys, out=keys)
-            self.predictor.values(keys, source_values, out=values)
-        return keys, values
+            self.predictor.keys(self.source.reconstruct_keys(start, stop), out=keys)
+        return keys
+
+    def reconstruct(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``."""
+        values = decode_values(self.values.narrow(start, stop), self.codec)
+        if self.predictor is None:
+            return self.reconstruct_keys(start, stop), values
+        source_keys = self.source.reconstruct_keys(start, stop)
+        keys = self.reconstruct_keys(start, stop)
+        return keys, self.predictor.values(keys, source_keys, out=values)
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``."""
         stop = len(self) if stop is None else stop
         pre_rope, values = self.reconstruct(start, stop)
         return prerope.from_pairs(self._rotate(pre_rope, start, stop), self.rope), values
+
+    @property
+    def _device(self) -> torch.device:
+        return self.values.codes.device
+
+    def _shape(self, start: int, stop: int) -> list[int]:
+        return [*self.values.codes.shape[:2], stop - start, self.values.codes.shape[-1] * PACK // self.codec.bits]
 
     def _rotate(self, pre_rope: torch.Tensor, start: int, stop: int, into: str | None = None) -> torch.Tensor:
         """``pre_rope`` keys of tokens ``start:stop`` rotated to their RoPE positions, in pair order (into a
@@ -446,22 +456,42 @@ class NonUniformKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block.
 
-        A part that feeds a later layer keeps the reconstruction of all its tokens for it; the
-        others decode each block into reused workspaces."""
+        A part in a chain of predictions rebuilds all its keys first (a workspace that lives until the
+        next layer has read them, alternating by :attr:`depth`); the others decode each block into
+        reused workspaces. Predicted values are not rebuilt: each block's attention also sums this
+        layer's and the source's keys by the attention weights, and the value predictor maps those sums
+        (:meth:`~kvopt.cache.crosslayer.LayerPredictor.fold_values`; exact, as attention is linear in values)."""
         parts = [self.sinks.attend(query, query_positions, scaling, softcap)] if self.sinks is not None else []
         query = prerope.to_pairs(query, self.rope)  # the order the rotated keys are in
         batch, heads = self.values.codes.shape[:2]
         group = self.keys.group
-        step = max(BLOCK_ELEMENTS // (batch * heads * query.shape[-1]) // group, 1) * group
+        per_token = batch * max(heads * query.shape[-1], query.shape[1] * query.shape[2])  # keys, or weights
+        step = max(BLOCK_ELEMENTS // per_token // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
-        if self.feeds or self.predictor is not None:
-            keys, values = self.reconstruct(0, len(self))
-            self.memo = Reconstruction(self.keys.codes, 0, keys, values)
+        chained = self.feeds or self.predictor is not None
+        if chained:
+            self.memo = None  # one from an earlier forward pass may sit in a reused workspace
+            name = None if into is None else f"{into}:chain{self.depth % 2}"
+            self.memo = Reconstruction(self.keys.codes, 0, self.reconstruct_keys(0, len(self), name))
+        source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
-            pre_rope, values = self.reconstruct(start, stop, None if self.memo is not None else into)
+            pre_rope = self.reconstruct_keys(start, stop, None if chained or into is None else f"{into}:keys")
             keys = self._rotate(pre_rope, start, stop, into)
+            buffer = None if into is None else workspace(f"{into}:values", self._shape(start, stop), torch.float32,
+                                                         self._device)  # fmt: skip
+            values = decode_values(self.values.narrow(start, stop), self.codec, buffer)
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
-            parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
+            if source_keys is None:
+                parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
+            else:
+                shared = [pre_rope, source_keys[:, :, start:stop]]
+                parts.append(self._folded(attention_with_shared_sums(query, keys, values, shared, mask, scaling,
+                                                                     softcap)))  # fmt: skip
         return merge_with_lse(parts)
+
+    def _folded(self, attended: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, lse)`` of one block: the residual values' output plus the predicted values' share."""
+        output, sums, lse = attended
+        return output + self.predictor.fold_values(sums, self.values.codes.shape[1]), lse

@@ -3,10 +3,13 @@
 AQUA-KV (Shutova et al., arXiv 2501.19392): much of a layer's KV is predictable from the
 layer below (:mod:`kvopt.cache.crosslayer`), so layer ``l`` stores only the residuals
 
-* ``K_l - f_l(K~_{l-1})`` and ``V_l - g_l([K~_l, V~_{l-1}])``,
+* ``K_l - f_l(K~_{l-1})`` and ``V_l - g_l([K~_l, K~_{l-1}])``,
 
 where ``~`` marks the *reconstructed* tensors (prediction plus dequantized residual), which is
-what a decoder can rebuild layer by layer. Keys are un-rotated to pre-RoPE first. ``f_l`` and
+what a decoder can rebuild layer by layer. Keys are un-rotated to pre-RoPE first. Values are
+predicted from the two layers' keys (the paper: ``[K~_l, V~_{l-1}]``), which explains almost as
+much of them (69% vs 72% of the variance on the default model) and lets attention apply the value
+predictor to attention-weighted sums instead of rebuilding every value (:mod:`kvopt.cache.crosslayer`). ``f_l`` and
 ``g_l`` are affine maps over all KV heads of a token, fitted by ridge-regularized least squares
 in layer order on the reconstructions of a calibration text (so each layer learns from the
 inputs the decoder will really have). The residuals are quantized by :mod:`kvopt.methods.kvquant`'s
@@ -16,12 +19,12 @@ token takes exactly kvquant's bytes; the predictors are per model (:meth:`AquaKV
 
 Calibration runs once per model when a cache is built, on the last ``calibration`` tokens of the
 caller's text (:func:`kvopt.api.build_cache`: local prose), and is cached under
-``$KVOPT_CACHE/aquakv/``. Reading a layer needs the one below reconstructed, so attention rebuilds
-each layer's quantized tokens whole (two matrix products per layer and step on top of
-kvquant's decoding) and keeps them until the next layer has read them (see
-:class:`~kvopt.cache.nonuniform.NonUniformKV`).
+``$KVOPT_CACHE/aquakv/``. Reading a layer's keys needs the keys below reconstructed, so attention
+rebuilds each layer's quantized keys whole (one ``[T, S * D] x [S * D, H * D]`` product per layer and
+step on top of kvquant's decoding, in bf16 where the hardware has it) and keeps them until the next
+layer has read them (see :class:`~kvopt.cache.nonuniform.NonUniformKV`).
 
-Deviations: the residual quantizer is kvquant's, not HIGGS (Hadamard rotation + vector
+Deviations: values predicted from keys (above); the residual quantizer is kvquant's, not HIGGS (Hadamard rotation + vector
 quantization on an EDEN grid). Layer 0 (and the first full-attention layer of a model with sliding
 layers, whose predictors read the previous full-attention layer) is quantized directly.
 Prediction needs a layer and its source layer to hold the same tokens in the same slots: after an
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.cache.crosslayer import LayerPredictor, fit_affine, heads_as_features
-from kvopt.cache.nonuniform import LayerCodec, NonUniformKV, decode_keys, decode_values, encode_keys, encode_values
+from kvopt.cache.nonuniform import LayerCodec, NonUniformKV, decode_keys, encode_keys
 from kvopt.cache.positions import TokenIndex
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
@@ -103,7 +106,6 @@ class AquaKV(KVQuant):
         source_layer = source_of(layer)
         found = source_layer.parts_of(NonUniformKV) if source_layer is not None else []
         if found and same_tokens(found[0].index, first, index):
-            found[0].feeds = True
             return self.predictors[layer.index], found[0]
         if held is not None:
             raise CacheUsageError(
@@ -144,17 +146,17 @@ def same_tokens(source: TokenIndex, first: int, index: TokenIndex) -> bool:
 def fit_chain(captured: list[dict[str, torch.Tensor]], windows: list[int | None], method: AquaKV, sparse: int,
               value_sparse: int) -> tuple[list, list, list]:  # fmt: skip
     """Per layer, in order: kvquant's codec for the raw vectors, and (for layers with a source) the predictor
-    and the codec of its residuals, each fitted on the reconstructions of the layers below."""
+    and the codec of its residuals, each fitted on the reconstructed keys of the layers below."""
     bits, sinks, group = method.bits, method.sinks, method.group
     plain, residual, predictors = [], [], []
-    below: tuple[torch.Tensor, torch.Tensor] | None = None  # the source layer's reconstructed keys and values
+    below: torch.Tensor | None = None  # the source layer's reconstructed keys
     for layer, window in enumerate(windows):
         raw = codec = predictor = None  # sliding layers stay at full precision
         if window is None:
             raw = fit_layer(captured[layer], bits, sparse, value_sparse, method.outliers, sinks, group)
             used = trimmed(captured[layer], sinks, group)
             if below is None:
-                below = round_trip(used["keys"], used["values"], raw, group)
+                below = decode_keys(encode_keys(used["keys"][None], raw, group), raw)[0]
             else:
                 codec, predictor, below = fit_layer_predictor(used, below, method, sparse, value_sparse)
         plain.append(raw)
@@ -163,31 +165,20 @@ def fit_chain(captured: list[dict[str, torch.Tensor]], windows: list[int | None]
     return plain, residual, predictors
 
 
-def fit_layer_predictor(used: dict[str, torch.Tensor], below: tuple[torch.Tensor, torch.Tensor], method: AquaKV,
-                        sparse: int, value_sparse: int) -> tuple[LayerCodec, LayerPredictor, tuple]:  # fmt: skip
+def fit_layer_predictor(used: dict[str, torch.Tensor], source_keys: torch.Tensor, method: AquaKV, sparse: int,
+                        value_sparse: int) -> tuple[LayerCodec, LayerPredictor, torch.Tensor]:  # fmt: skip
     """One layer's predictor and residual codec from its captured tensors ``used`` and the source layer's
-    reconstruction ``below``, and this layer's reconstruction (what the next layer predicts from)."""
+    reconstructed keys ``[S, T, D]``, and this layer's reconstructed keys (what the next layer predicts from)."""
     bits, group = method.bits, method.group
     keys, values = used["keys"], used["values"]
-    source_keys, source_values = below
     predictor = LayerPredictor(fit_affine(heads_as_features(source_keys), heads_as_features(keys), method.ridge),
                                torch.empty(0))  # fmt: skip
     predicted = predictor.keys(source_keys[None])[0]
     levels, center, half = fit_keys(keys - predicted, used["key_fisher"], bits, sparse, method.outliers, group)
     codec = LayerCodec(bits, sparse, value_sparse, levels, levels, center, half)  # value levels come below
-    keys = predicted + round_trip(keys - predicted, None, codec, group)[0]
-    inputs = torch.cat([heads_as_features(keys), heads_as_features(source_values)], dim=1)
+    keys = predicted + decode_keys(encode_keys((keys - predicted)[None], codec, group), codec)[0]
+    inputs = torch.cat([heads_as_features(keys), heads_as_features(source_keys)], dim=1)
     predictor.value_weight = fit_affine(inputs, heads_as_features(values), method.ridge)
-    predicted = predictor.values(keys[None], source_values[None])[0]
+    predicted = predictor.values(keys[None], source_keys[None])[0]
     codec.value_levels = fit_values(values - predicted, used["value_fisher"], bits, value_sparse)
-    values = predicted + round_trip(None, values - predicted, codec, group)[1]
-    return codec, predictor, (keys, values)
-
-
-def round_trip(keys: torch.Tensor | None, values: torch.Tensor | None, codec: LayerCodec, group: int) -> tuple:
-    """``[H, T, D]`` keys and values as the decoder gets them back (None stays None)."""
-    if keys is not None:
-        keys = decode_keys(encode_keys(keys[None], codec, group), codec)[0]
-    if values is not None:
-        values = decode_values(encode_values(values[None], codec), codec)[0]
-    return keys, values
+    return codec, predictor, keys

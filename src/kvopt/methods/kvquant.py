@@ -54,7 +54,7 @@ from kvopt.methods.nuq_calibration import calibrate, sparse_count
 from kvopt.methods.quantization import dense_bytes, position_bytes
 
 #: Version of what calibration computes, part of the saved files' key (a change recalibrates).
-CALIBRATION_FORMAT = 4
+CALIBRATION_FORMAT = 5
 #: Fewest calibration tokens (the sinks are left out of the statistics).
 MIN_CALIBRATION = 64
 
