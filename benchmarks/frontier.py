@@ -289,17 +289,15 @@ def _accuracy(rows: list[dict]) -> str:
 
 
 def _kept(rows: list[dict], reference: list[dict]) -> str:
-    """Share of the reference's correct answers (same task, length, depth, sample) also answered by ``rows``."""
-    from kvopt.eval.report import wilson_interval
+    """Share of the reference's correct answers that ``rows`` also give, on the same prompts (the harness's
+    :func:`~kvopt.eval.report.retention`), with its Wilson interval and the reference's successes."""
+    from kvopt.eval.report import retention
 
-    key = lambda r: (r["task"], r["length"], r["depth"], r["sample"])  # noqa: E731
-    correct = {key(r) for r in reference if r["score"] >= 1}
-    paired = [r for r in rows if key(r) in correct]
-    if not paired:
+    kept = retention(rows, reference)
+    if kept is None:
         return ""
-    hits = sum(r["score"] for r in paired)
-    low, high = wilson_interval(hits, len(paired))
-    return f"{hits / len(paired):.0%} [{100 * low:.0f}–{100 * high:.0f}] (of {len(paired)})"
+    solved = kept.reference_accuracy * kept.prompts
+    return f"{kept.kept:.0%} [{100 * kept.low:.0f}–{100 * kept.high:.0f}] (of {solved:.0f})"
 
 
 def _eval_rows(by_step: dict, step: str, method: str, length: int) -> list[dict]:

@@ -39,7 +39,8 @@ def reference_reconstruction(method, model, post_keys: list, values: list, first
         pre = prerope.rotate(prerope.to_pairs(keys[None], table), positions, table, inverse=True)[0]
         predictor = method.predictors[layer]
         codec = method.residual_codecs[layer] if predictor is not None else method.codecs[layer]
-        predicted_keys = torch.zeros_like(pre) if predictor is None else slow_affine(predictor.key_weight, [below], product_dtype(below.device))
+        predicted_keys = (torch.zeros_like(pre) if predictor is None
+                          else slow_affine(predictor.key_weight, [below], product_dtype(below.device)))  # fmt: skip
         rebuilt_keys = predicted_keys + decode_keys(encode_keys((pre - predicted_keys)[None], codec, group), codec)[0]
         predicted_values = (torch.zeros_like(vals) if predictor is None
                             else slow_affine(predictor.value_weight, [rebuilt_keys, below]))  # fmt: skip
@@ -181,3 +182,26 @@ def test_bad_parameters_say_what_to_do():
         parse("aquakv:ridge=-1")
     with pytest.raises(MethodParameterError, match="keep one of the two"):
         parse("aquakv+kvquant")
+
+
+def test_attention_over_predicted_values_equals_the_predictor_applied_to_weighted_key_sums():
+    """Attention is linear in the values: with values = residual + [keys, source keys, 1] @ W, attending over the
+    residual and mapping the attention-weighted key sums by W gives attention over the rebuilt values (GQA
+    groups, several queries, a mask)."""
+    from kvopt.cache.attention import _explicit_attention_with_lse, attention_with_shared_sums
+    from kvopt.cache.crosslayer import LayerPredictor
+
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, source_heads, group, queries, tokens, dim = 2, 2, 3, 3, 4, 10, 8
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    keys, residual = randn(batch, kv_heads, tokens, dim), randn(batch, kv_heads, tokens, dim)
+    source_keys = randn(batch, source_heads, tokens, dim)
+    predictor = LayerPredictor(torch.empty(0), randn((kv_heads + source_heads) * dim + 1, kv_heads * dim))
+    query = randn(batch, kv_heads * group, queries, dim)
+    mask = torch.rand(batch, 1, queries, tokens, generator=generator) > 0.3
+    mask[..., 0] = True
+    values = predictor.values(keys, source_keys, out=residual.clone())
+    want, want_lse = _explicit_attention_with_lse(query, keys, values, mask, 0.3)
+    output, sums, lse = attention_with_shared_sums(query, keys, residual, [keys, source_keys], mask, 0.3)
+    torch.testing.assert_close(output + predictor.fold_values(sums, kv_heads), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse)

@@ -83,7 +83,9 @@ class LayerPredictor:
         bias = self.value_weight[-1].view(kv_heads, 1, dim)
         return torch.matmul(grouped, weight).add_(bias).reshape(batch, heads, q_len, dim)
 
-    def _affine(self, name: str, inputs: list[torch.Tensor], out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def _affine(
+        self, name: str, inputs: list[torch.Tensor], out: torch.Tensor | None, dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
         """``[inputs (heads concatenated per token), 1] @ weight`` as ``[B, H, T, D]``, into a new tensor or added
         to ``out``: one product over all heads in ``dtype``, the bias added in fp32."""
         weight = getattr(self, name)
