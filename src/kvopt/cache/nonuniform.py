@@ -405,16 +405,19 @@ class NonUniformKV:
         counts = self.index.valid_counts()
         return counts + self.sinks.index.valid_counts() if self.sinks is not None else counts
 
-    def reconstruct_keys(self, start: int, stop: int, into: str | None = None) -> torch.Tensor:
+    def reconstruct_keys(
+        self, start: int, stop: int, into: str | None = None, source_keys: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Pre-RoPE keys ``[B, H, stop - start, D]`` (fp32) of quantized tokens ``start:stop``: the kept
-        reconstruction when it covers them, else decoded (plus the prediction from the source's keys), into
-        the reused workspace ``into`` when named."""
+        reconstruction when it covers them, else decoded (into the reused workspace ``into`` when named) plus
+        the prediction from the source's keys (``source_keys`` when the caller has them)."""
         if self.memo is not None and self.memo.covers(self.keys.codes, start, stop):
             return self.memo.slice(start, stop)
         buffer = None if into is None else workspace(into, self._shape(start, stop), torch.float32, self._device)
         keys = decode_keys(self.keys.narrow(start, stop), self.codec, buffer)
         if self.predictor is not None:
-            self.predictor.keys(self.source.reconstruct_keys(start, stop), out=keys)
+            source_keys = self.source.reconstruct_keys(start, stop) if source_keys is None else source_keys
+            self.predictor.keys(source_keys, out=keys)
         return keys
 
     def reconstruct(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,7 +426,7 @@ class NonUniformKV:
         if self.predictor is None:
             return self.reconstruct_keys(start, stop), values
         source_keys = self.source.reconstruct_keys(start, stop)
-        keys = self.reconstruct_keys(start, stop)
+        keys = self.reconstruct_keys(start, stop, source_keys=source_keys)
         return keys, self.predictor.values(keys, source_keys, out=values)
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,12 +472,12 @@ class NonUniformKV:
         step = max(BLOCK_ELEMENTS // per_token // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
+        source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None
         chained = self.feeds or self.predictor is not None
         if chained:
             self.memo = None  # one from an earlier forward pass may sit in a reused workspace
             name = None if into is None else f"{into}:chain{self.depth % 2}"
-            self.memo = Reconstruction(self.keys.codes, 0, self.reconstruct_keys(0, len(self), name))
-        source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None
+            self.memo = Reconstruction(self.keys.codes, 0, self.reconstruct_keys(0, len(self), name, source_keys))
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
             pre_rope = self.reconstruct_keys(start, stop, None if chained or into is None else f"{into}:keys")
