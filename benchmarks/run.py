@@ -133,6 +133,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--aware-samples", type=int, default=1)
     parser.add_argument("--retention-tasks", default="passkey,niah,niah_multivalue")
+    parser.add_argument(
+        "--only", default=None,
+        help="comma-separated contenders: the accuracy steps run only these of their methods now (rows already "
+        "there count), so a grid too long for one sitting is filled in parts",
+    )  # fmt: skip
     parser.add_argument("--retention-samples", type=int, default=4)
     parser.add_argument("--ppl-tokens", type=int, default=8000)
     parser.add_argument("--ppl-chunk", type=int, default=32)
@@ -187,7 +192,7 @@ def main() -> None:
         (QUERY_AGNOSTIC, "retention", args.retention_tasks, args.lengths, RETENTION, args.retention_samples),
         (QUERY_AWARE, "aware", args.tasks, args.lengths, aware_methods(), args.aware_samples),
     ):
-        if step in steps:
+        if step in steps and (methods := only(methods, args.only)):
             start = time.perf_counter()
             grid = EvalGrid(
                 tasks=tasks.split(","), lengths=_ints(lengths), methods=methods, depths=args.depths,
@@ -235,6 +240,16 @@ def main() -> None:
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
+
+
+def only(methods: list[str], chosen: str | None) -> list[str]:
+    """``methods`` limited to the ``chosen`` contenders (compared by canonical spec; None: all of them)."""
+    if chosen is None:
+        return methods
+    from kvopt.eval.contenders import parse_contender
+
+    wanted = {parse_contender(spec).spec for spec in split_specs(chosen)}
+    return [spec for spec in methods if parse_contender(spec).spec in wanted]
 
 
 def with_model_defaults(args: argparse.Namespace) -> argparse.Namespace:

@@ -79,3 +79,15 @@ def test_streaming_perplexity_reads_the_canonical_specs_rows_carry(tmp_path):
     write(tmp_path, both_models.EVAL, [{"task": "ppl", "method": method, "ppl": value} for method, value in ppl.items()])
     finding = both_models.streaming_perplexity(tmp_path)
     assert finding.holds is True and "window alone 13.53" in finding.text
+
+
+def test_a_step_can_run_part_of_its_contenders_now():
+    """``--only`` keeps a step's contenders that are named (as typed or canonical), in the step's order, so a grid
+    too long for one sitting is filled in parts; nothing named: all of them."""
+    import run
+
+    methods = run.agnostic_methods()
+    chosen = run.only(methods, "kivi:bits=4,full,kvzip:ratio=0.75,kvpress:tova:ratio=0.75,kvzip:ratio=0.75,window:size=9")
+    assert chosen == ["full", "kvzip:ratio=0.75", "kvpress:tova:ratio=0.75", "kivi:bits=4"]
+    assert run.only(methods, None) == methods
+    assert run.only(run.RETENTION, "tova:ratio=0.9") == []
