@@ -374,6 +374,15 @@ MEMORY_FILE = "decode_memory.jsonl"
 RESULT_FILES = ("eval.jsonl", "bench.jsonl", CHECK_FILE, MEMORY_FILE)
 
 
+def complete(results: Path) -> bool:
+    """True when ``results`` holds every step's rows, scored accuracy rows included (steps re-run alone, e.g.
+    perplexity only, leave an eval.jsonl without them: the accuracy sections are then kept, not dropped)."""
+    if not all((results / name).exists() for name in RESULT_FILES):
+        return False
+    rows = (json.loads(line) for line in (results / "eval.jsonl").read_text().splitlines() if line.strip())
+    return any(row.get("score") is not None for row in rows)
+
+
 def decode_memory(
     lengths: list[int], specs: list[str], repeats: int, new_tokens: int, results: Path, model: str | None = None
 ) -> None:
@@ -488,7 +497,7 @@ def compose(args) -> None:
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []
-    if not all((args.results / name).exists() for name in RESULT_FILES):  # a partial run: keep what it lacks
+    if not complete(args.results):  # a partial run: keep what it lacks
         body, kept = keep_sections(body, previous_report)
     if kept:  # the kept sections' step timings too
         timings = {**previous_timings(previous_header), **timings}

@@ -91,3 +91,18 @@ def test_a_step_can_run_part_of_its_contenders_now():
     assert chosen == ["full", "kvzip:ratio=0.75", "kvpress:tova:ratio=0.75", "kivi:bits=4"]
     assert run.only(methods, None) == methods
     assert run.only(run.RETENTION, "tova:ratio=0.9") == []
+
+
+def test_steps_rerun_alone_leave_a_partial_folder_whose_missing_sections_are_kept(tmp_path):
+    """Every step's rows file present but no scored accuracy rows (perplexity re-run alone): not complete, so the
+    report keeps the earlier accuracy sections instead of dropping them; one scored row makes it complete."""
+    import run
+
+    for name in run.RESULT_FILES:
+        (tmp_path / name).write_text(json.dumps({"task": "ppl", "score": None, "ppl": 13.9}) + "\n")
+    assert not run.complete(tmp_path)
+    with (tmp_path / "eval.jsonl").open("a") as rows:
+        rows.write(json.dumps({"task": "passkey", "score": 1.0}) + "\n")
+    assert run.complete(tmp_path)
+    (tmp_path / "bench.jsonl").unlink()
+    assert not run.complete(tmp_path)
