@@ -115,12 +115,18 @@ def kivi_vs_quanto(bits: int) -> Callable[[Path], Finding]:
 
 
 def streaming_perplexity(folder: Path) -> Finding:
-    ppl = {row["method"]: row["ppl"] for row in rows(folder, EVAL) if row.get("ppl") is not None}
+    """Sinks + window against full and a plain window, on the longest stream all three ran (a folder also holds
+    the quantizers' shorter streams, with a `full` row of their own)."""
+    by_length: dict[int, dict[str, float]] = {}
+    for row in rows(folder, EVAL):
+        if row.get("ppl") is not None:
+            by_length.setdefault(row["length"], {})[row["method"]] = row["ppl"]
     # rows name a contender by its canonical spec (defaults dropped: "window:size=1024" is "window")
-    sinks, window, full = (ppl.get(parse_contender(spec).spec)
-                           for spec in ("streamingllm:sinks=4,window=1020", "window:size=1024", "full"))  # fmt: skip
-    if None in (sinks, window, full):
+    wanted = [parse_contender(spec).spec for spec in ("streamingllm:sinks=4,window=1020", "window:size=1024", "full")]
+    lengths = [length for length, ppl in by_length.items() if all(spec in ppl for spec in wanted)]
+    if not lengths:
         return Finding("not measured", None)
+    sinks, window, full = (by_length[max(lengths)][spec] for spec in wanted)
     text = f"ppl full {full:.2f}, sinks + window {sinks:.2f} ({sinks / full - 1:+.1%}), window alone {window:.2f}"
     return Finding(text, sinks / full - 1 <= 0.10 and window > sinks)
 

@@ -74,11 +74,14 @@ def test_grid_runs_sample_by_sample_so_a_partial_run_is_balanced():
 
 
 def test_streaming_perplexity_reads_the_canonical_specs_rows_carry(tmp_path):
-    """The harness names rows by canonical spec ("window:size=1024" is "window"); the headline must find them."""
+    """The harness names rows by canonical spec ("window:size=1024" is "window"); the headline must find them, and
+    compare them with `full`'s row at the same length, not with the quantizers' shorter stream's."""
     ppl = {"full": 7.09, "streamingllm:budget=1024,window=1020": 7.02, "window": 13.53}
-    write(tmp_path, both_models.EVAL, [{"task": "ppl", "method": method, "ppl": value} for method, value in ppl.items()])
+    found = [{"task": "ppl", "method": method, "length": 8000, "ppl": value} for method, value in ppl.items()]
+    found += [{"task": "ppl", "method": method, "length": 4096, "ppl": value} for method, value in (("full", 5.0), ("kivi", 5.1))]
+    write(tmp_path, both_models.EVAL, found)
     finding = both_models.streaming_perplexity(tmp_path)
-    assert finding.holds is True and "window alone 13.53" in finding.text
+    assert finding.holds is True and "ppl full 7.09" in finding.text and "window alone 13.53" in finding.text
 
 
 def test_a_step_can_run_part_of_its_contenders_now():
