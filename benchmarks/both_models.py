@@ -89,27 +89,34 @@ def adakv_bytes(folder: Path) -> Finding:
 
 
 def kivi_vs_quanto(bits: int) -> Callable[[Path], Finding]:
+    """Answers (share of full's kept, intervals overlapping or better) and decode speed (>= quanto's at every
+    length): holds when both were measured and hold, does not when either fails."""
+    kivi, quanto = (parse_contender(spec).spec for spec in (f"kivi:bits={bits}", f"hf-quanto:bits={bits}"))
+
     def measure(folder: Path) -> Finding:
         scores = agnostic_scores(folder)
-        ours = retention(scores.get(f"kivi:bits={bits}", []), scores.get("full", []))
-        theirs = retention(scores.get(f"hf-quanto:bits={bits}", []), scores.get("full", []))
+        ours = retention(scores.get(kivi, []), scores.get("full", []))
+        theirs = retention(scores.get(quanto, []), scores.get("full", []))
         speeds: dict[tuple[int, str], list[float]] = {}
         for row in rows(folder, MEMORY):
             speeds.setdefault((row["length"], row["method"]), []).append(row["decode_tok_s"])
-        ratios = {length: statistics.median(speeds[(length, f"kivi:bits={bits}")])
-                  / statistics.median(speeds[(length, f"hf-quanto:bits={bits}")])
-                  for length, method in speeds if method == f"kivi:bits={bits}"
-                  and (length, f"hf-quanto:bits={bits}") in speeds}  # fmt: skip
+        ratios = {length: statistics.median(speeds[(length, kivi)]) / statistics.median(speeds[(length, quanto)])
+                  for length, method in speeds if method == kivi and (length, quanto) in speeds}  # fmt: skip
         parts, verdicts = [], []
         if ours is not None and theirs is not None:
             parts.append(f"kept {ours.cell()} vs quanto {theirs.cell()}")
             verdicts.append(ours.high >= theirs.low)  # no worse than quanto beyond the noise
+        else:
+            parts.append("answers not measured")
         if ratios:
             parts.append("decode " + ", ".join(f"{ratio:.2f}x at {length}" for length, ratio in sorted(ratios.items())))
             verdicts.append(min(ratios.values()) >= 1.0)
-        if not parts:
+        else:
+            parts.append("decode not measured")
+        if not verdicts:
             return Finding("not measured", None)
-        return Finding("; ".join(parts), all(verdicts))
+        # a conjunction: one part failing settles it; holding needs both parts measured
+        return Finding("; ".join(parts), False if not all(verdicts) else (True if len(verdicts) == 2 else None))
 
     return measure
 

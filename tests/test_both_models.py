@@ -109,3 +109,20 @@ def test_steps_rerun_alone_leave_a_partial_folder_whose_missing_sections_are_kep
     assert run.complete(tmp_path)
     (tmp_path / "bench.jsonl").unlink()
     assert not run.complete(tmp_path)
+
+
+def test_kivi_against_quanto_needs_both_answers_and_speed_and_reads_canonical_specs(tmp_path):
+    """`kivi:bits=4` rows are named `kivi` (its defaults dropped): found all the same. Speed alone gives no verdict
+    when it holds (the answers are not measured) and a negative one when it fails."""
+    speed = lambda method, tok_s: {"length": 4096, "method": method, "decode_tok_s": tok_s}  # noqa: E731
+    write(tmp_path, both_models.MEMORY, [speed("kivi", 12.0), speed("hf-quanto:bits=4", 10.0),
+                                         speed("kivi:bits=2", 9.0), speed("hf-quanto:bits=2", 10.0)])  # fmt: skip
+    four, two = both_models.kivi_vs_quanto(4)(tmp_path), both_models.kivi_vs_quanto(2)(tmp_path)
+    assert four.holds is None and "decode 1.20x at 4096" in four.text and "answers not measured" in four.text
+    assert two.holds is False and "decode 0.90x at 4096" in two.text
+    rows = []
+    for sample in range(10):
+        rows += [task_row("full", sample, 1.0), task_row("kivi", sample, 1.0), task_row("hf-quanto:bits=4", sample, 0.0)]
+    write(tmp_path, both_models.EVAL, rows)
+    four = both_models.kivi_vs_quanto(4)(tmp_path)
+    assert four.holds is True and "kept 100%" in four.text and "vs quanto 0%" in four.text
