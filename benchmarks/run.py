@@ -58,7 +58,9 @@ SPEED_METHODS = ["full", *(f"{m}:ratio=0.75" for m in OURS if m != "window"), "w
 QUANT = ["kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "tokenquant:bits=8", "tokenquant:bits=4", "mixedkv"]
 QUANT_PEERS = ["hf-quanto:bits=4", "hf-quanto:bits=2"]
 #: Accuracy of quantization and of eviction + quantization, in the query-agnostic grid.
-QUANT_ACCURACY = ["kivi:bits=4", "kivi:bits=2", "mixedkv", "snapkv:ratio=0.75+kivi:bits=4", "hf-quanto:bits=4"]
+QUANT_ACCURACY = [
+    "kivi:bits=4", "kivi:bits=2", "mixedkv", "snapkv:ratio=0.75+kivi:bits=4", "hf-quanto:bits=4", "hf-quanto:bits=2",
+]
 #: The 75%-removed claim (share of full's answers kept) with more prompts: the strongest methods of
 #: each kind, the best press, and 4-bit quantization alone and after eviction.
 RETENTION = [
