@@ -40,7 +40,7 @@ import twobit
 import transformers
 
 from kvopt.eval.bench import run_bench
-from kvopt.eval.contenders import split_specs
+from kvopt.eval.contenders import parse_contender, split_specs
 from kvopt.eval.report import PLACEHOLDERS, keep_sections, write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
@@ -248,8 +248,6 @@ def only(methods: list[str], chosen: str | None) -> list[str]:
     """``methods`` limited to the ``chosen`` contenders (compared by canonical spec; None: all of them)."""
     if chosen is None:
         return methods
-    from kvopt.eval.contenders import parse_contender
-
     wanted = {parse_contender(spec).spec for spec in split_specs(chosen)}
     return [spec for spec in methods if parse_contender(spec).spec in wanted]
 
@@ -275,7 +273,6 @@ def lossless_check(loaded, lengths: list[int], new_tokens: int, results: Path) -
     Each prompt is prefilled and decoded greedily by both (HF's tokens fed to both, so the logits
     compare position by position even if a choice flips); rows in ``lossless.jsonl``.
     """
-    from kvopt.eval.contenders import parse_contender
     from kvopt.eval.decoding import forward
     from kvopt.eval.tasks.text import real_text
 
@@ -310,7 +307,6 @@ def memory_check(loaded, specs: list[str], length: int, results: Path) -> None:
     estimate (the budget's tokens, quantization overheads included); for a press, the kept fraction
     of the full cache.
     """
-    from kvopt.eval.contenders import parse_contender
     from kvopt.eval.decoding import forward, shared_prefill
     from kvopt.eval.tasks.text import real_text
     from kvopt.memory import estimate
