@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TITLE = "# kvopt benchmarks"
 PRESSES = ["snapkv", "pyramidkv", "adakv-snapkv", "tova", "streamingllm"]
 RATIOS = [0.5, 0.75, 0.9]
-OURS = ["window", "streamingllm", "snapkv", "pyramidkv", "adakv", "tova", "kvzip"]
+OURS = ["window", "streamingllm", "snapkv", "pyramidkv", "adakv", "tova", "kvzip", "surprisal"]
 #: Decode speed at 4k context, each method at 75% removed, next to `full` and plain HF.
 SPEED_METHODS = ["full", *(f"{m}:ratio=0.75" for m in OURS if m != "window"), "window:size=1024"]
 #: Quantized caches next to HF's QuantizedCache (quanto backend) at equal bits.

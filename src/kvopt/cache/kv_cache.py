@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from kvopt.cache.attention import ATTENTION_NAME, prepare
 from kvopt.cache.layer import KVLayer
 from kvopt.errors import CacheUsageError, ContextTooLongError
-from kvopt.models.forward import cache_kwargs
+from kvopt.models.forward import cache_kwargs, final_states
 from kvopt.models.info import ModelInfo
 
 if TYPE_CHECKING:
@@ -44,6 +44,9 @@ class KVCache(Cache):
         #: The model :meth:`for_model` built this cache for (weak: a cache never keeps a model alive).
         self._model: weakref.ref | None = None
         self._speculating: list[KVLayer] | None = None
+        #: The prompt's final hidden states ``[batch, tokens, hidden]`` from the prefill, for methods that
+        #: read the model's own predictions of the prompt (``reads_prompt_states``); dropped once they acted.
+        self.prompt_states = None
         layers = [KVLayer(methods, window) for window in info.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.siblings = index, layers
@@ -98,21 +101,33 @@ class KVCache(Cache):
     def needs_prefill_pass(self) -> bool:
         return any(m.needs_prefill_pass for m in self.methods)
 
+    @property
+    def reads_prompt_states(self) -> bool:
+        return any(m.reads_prompt_states for m in self.methods)
+
     def after_prefill(self, model, input_ids, attention_mask=None, tokenizer=None) -> None:
         """Let methods that need the prompt's ids act once it is cached (see :meth:`prefill`)."""
-        for method in self.methods:
-            method.after_prefill(self, model, input_ids, attention_mask, tokenizer)
+        try:
+            for method in self.methods:
+                method.after_prefill(self, model, input_ids, attention_mask, tokenizer)
+        finally:
+            self.prompt_states = None
 
     def prefill(self, model, input_ids, attention_mask=None, tokenizer=None):
-        """Cache a prompt and run the methods' post-prefill step; returns the model output.
+        """Cache a prompt and run the methods' post-prefill step; returns the model output (the last
+        position's logits only: ``[tokens, vocab]`` logits would cost gigabytes at long prompts).
 
         With ``model.generate``, prefill all but the prompt's last token here, then pass the whole
         prompt to ``generate`` with this cache: it feeds only what is not cached yet.
         """
         import torch
 
-        with torch.no_grad():
-            output = model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, self), use_cache=True)
+        with torch.no_grad(), final_states(model) if self.reads_prompt_states else nullcontext([]) as states:
+            output = model(
+                input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, self), use_cache=True,
+                logits_to_keep=1,
+            )  # fmt: skip
+        self.prompt_states = states[-1] if states else None
         self.after_prefill(model, input_ids, attention_mask, tokenizer)
         return output
 
@@ -136,6 +151,7 @@ class KVCache(Cache):
             )
         for layer, done in zip(self.layers, source.layers):
             layer.replay_prefill(done)
+        self.prompt_states = source.prompt_states if self.reads_prompt_states else None
 
     @contextmanager
     def speculate(self, layers: int | None = None) -> Iterator[KVCache]:

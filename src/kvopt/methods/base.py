@@ -55,6 +55,9 @@ class Method:
     #: True when the method changes the prefill's forward itself (FastKV passes only selected tokens to the
     #: later layers), so a recorded lossless prefill cannot stand for it (:meth:`KVCache.replay_prefill`).
     shapes_prefill: ClassVar[bool] = False
+    #: True when the method reads the prompt's final hidden states (``cache.prompt_states``) in
+    #: :meth:`after_prefill`, which :meth:`KVCache.prefill` then captures during the forward.
+    reads_prompt_states: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()

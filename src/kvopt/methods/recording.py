@@ -14,7 +14,7 @@ import torch
 
 from kvopt.cache.kv_cache import KVCache
 from kvopt.methods.base import Method
-from kvopt.models.forward import cache_kwargs
+from kvopt.models.forward import cache_kwargs, final_states
 
 
 @dataclass
@@ -31,15 +31,17 @@ def record_prefill(model, input_ids, attention_mask=None, **forward_kwargs) -> t
 
     Returns ``(cache, model output)``; pass the cache to :meth:`KVCache.replay_prefill`.
     ``forward_kwargs`` go to the forward call (e.g. ``position_ids``, ``logits_to_keep``).
-    Recording keeps every layer's queries (as large as the keys held).
+    Recording keeps every layer's queries (as large as the keys held) and the prompt's final hidden
+    states (``cache.prompt_states``, for methods that read the model's predictions of the prompt).
     """
     cache = KVCache.for_model([_RecordPrefill()], model)
     for layer in cache.layers:
         # Keep what a sliding layer would forget: a direct prefill runs its methods before
         # forgetting, and so does the replay. (The model still masks by the window.)
         layer.sliding_window = None
-    with torch.no_grad():
+    with torch.no_grad(), final_states(model) as states:
         output = model(
             input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, cache), use_cache=True, **forward_kwargs
         )
+    cache.prompt_states = states[-1] if states else None
     return cache, output

@@ -124,7 +124,7 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
     which come in the order of :data:`STAGES`; a second such method must be one the first takes
     over (:data:`ADOPTS`), since it would find no tokens left; decode-time eviction shares no spec
     with them (the moved tokens would never be evicted and the cache would outgrow its budget);
-    merging needs every layer to keep the same tokens; and a method that re-reads the whole prompt
+    merging needs every layer to keep the same tokens; and a method that acts on the whole prompt
     after the prefill (``needs_prefill_pass``) shares no spec with one that moves tokens during it.
     ``spec`` is the text the errors quote.
     """
@@ -157,7 +157,7 @@ def _check_beside_mover(method: Method, mover: Method, spec: str) -> None:
         )
     if method.needs_prefill_pass:
         raise MethodParameterError(
-            f"{spec!r}: {method.spec()} re-reads the whole prompt in full precision after the prefill, but "
+            f"{spec!r}: {method.spec()} acts on the whole prompt in full precision after the prefill, but "
             f"{mover.spec()} moves tokens into {kind} storage during it; use {method.name} alone or with other "
             "eviction methods"
         )
