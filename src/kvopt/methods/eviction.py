@@ -131,6 +131,13 @@ class Eviction(Method):
         return min(seen_tokens, self.budget)
 
 
+def protect_first(scores: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+    """``scores`` with each row's (and head's) first ``count`` real slots raised to +inf: attention sinks
+    that a selection keeps whatever they score (``valid`` marks real slots, broadcast like ``scores``)."""
+    rank = torch.cumsum(valid.long(), dim=-1)  # 1-based rank among real tokens
+    return scores.masked_fill((rank <= count) & valid, float("inf"))
+
+
 def keep_top(layer, scores: torch.Tensor, targets: torch.Tensor, protect_recent: int = 0) -> None:
     """Keep, per row and head, the ``targets[row]`` best-scoring valid slots (recent ones protected).
 

@@ -28,7 +28,7 @@ import torch
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
-from kvopt.methods.eviction import Eviction, keep_top
+from kvopt.methods.eviction import Eviction, keep_top, protect_first
 from kvopt.methods.scores import attention_probs, grouped_attention_output
 from kvopt.models.forward import cache_kwargs
 
@@ -125,11 +125,9 @@ class KVzip(Eviction):
     def _scores(self, layer) -> torch.Tensor:
         """The layer's reconstruction scores ``[B, H_kv, T]``, sinks raised to +inf; frees the scratch scores."""
         store = layer.store
-        scores = store.extra(EXTRA).clone()
+        scores = store.extra(EXTRA)
         store.drop_extra(EXTRA)  # the scores were only needed for this selection
-        rank = torch.cumsum(store.valid.long(), dim=-1)  # 1-based rank among real tokens
-        scores[(rank <= self.sinks) & store.valid] = float("inf")
-        return scores
+        return protect_first(scores, store.valid, self.sinks)
 
     def _compress(self, layer) -> None:
         keep_top(layer, self._scores(layer), self.targets(layer, None), self.window)

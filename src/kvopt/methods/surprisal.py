@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
-from kvopt.methods.eviction import Eviction, keep_top
+from kvopt.methods.eviction import Eviction, keep_top, protect_first
 
 
 @register
@@ -82,7 +82,8 @@ class Surprisal(Eviction):
         information = self.ranks(prompt_surprisal(model, states, input_ids, attention_mask, self.chunk))
         for layer in cache.layers:
             scores = information[:, None, -len(layer.store) :]  # a sliding layer holds the newest tokens
-            keep_top(layer, self._with_sinks(layer, scores), self.targets(layer, None), self.window)
+            sinks = protect_first(scores, layer.store.valid[:, :1], max(self.sinks, 1))  # the first token at least
+            keep_top(layer, sinks, self.targets(layer, None), self.window)
 
     def ranks(self, surprisal: torch.Tensor) -> torch.Tensor:
         """Each token's score as a rank, higher kept first: by pooled surprisal, ties by the token's own.
@@ -104,12 +105,6 @@ class Surprisal(Eviction):
         if self.pooling == "max":
             return F.max_pool1d(surprisal[:, None], 2 * self.pool + 1, stride=1, padding=self.pool)[:, 0]
         return F.avg_pool1d(surprisal[:, None], 2 * self.pool + 1, stride=1, padding=self.pool)[:, 0]
-
-    def _with_sinks(self, layer, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` with each row's first real token and first ``sinks`` real tokens raised to +inf."""
-        valid = layer.store.valid[:, :1]
-        rank = torch.cumsum(valid.long(), dim=-1)  # 1-based rank among real tokens
-        return scores.masked_fill((rank <= max(self.sinks, 1)) & valid, float("inf"))
 
 
 def prompt_surprisal(
