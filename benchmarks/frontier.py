@@ -9,8 +9,9 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 * ``prefill``: a prompt of local real text at 4k and 8k tokens prefilled by ``full``, ``fastkv`` and ``snapkv`` at
   the same KV budget, each on its own (fastkv's prefill differs: nothing is replayed).
 * ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own.
-* ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512, and
-  ``snapkv`` keeping the bytes each rocketkv budget stores (summaries included); one recorded prefill replayed.
+* ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512 (also with its
+  rows in 4 bits, ``+tokenquant:bits=4``), and ``snapkv`` keeping the bytes each unquantized rocketkv budget
+  stores (summaries included); one recorded prefill replayed.
 * ``decode-qwen``: the same at 16k tokens on Qwen2.5-Coder-0.5B (32k positions), where installed.
 * ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
   the LM head), for ``full`` and ``rocketkv``; and rocketkv's stage 2 on one layer: the approximate search, the
@@ -23,6 +24,7 @@ Steps (one torch thread each; timings interleaved method by method within a repe
   90% removed, query-agnostic (the context is compressed before the question is seen), 8 samples per task and
   length: accuracy, the share of full's answers kept, and the prefill seconds (the shared lossless prefill plus
   each method's own work).
+* ``small``: the same at 1k tokens and 90% removed (about 100 tokens kept) for ``surprisal``, ``kvzip``, ``tova``.
 
 Rows: benchmarks/results/frontier.jsonl, each tagged with its ``step``. The accuracy steps run through the
 evaluation harness, whose resumable working files live under results/frontier/<step>/ (ignored); their rows
@@ -54,6 +56,8 @@ DECODE_LENGTH = 8192
 #: The longer-context model the decode step also runs on, where installed (32k positions), and its prompt.
 QWEN, QWEN_LENGTH = "qwen2.5-coder-0.5b", 16384
 ROCKET_BUDGETS = [256, 512]
+#: Stage 2's rows stored quantized (per token, so each step dequantizes only the tokens it reads).
+ROCKET_QUANTIZER = "tokenquant:bits=4"
 #: Tokens per forward in the streaming step (decode-time eviction acts after each forward).
 STREAM_CHUNK = 16
 STREAM = ["full", "treekv:budget=1024", "streamingllm:sinks=4,window=1020", "tova:budget=1024", "h2o:budget=1024"]
@@ -62,16 +66,21 @@ STREAM = ["full", "treekv:budget=1024", "streamingllm:sinks=4,window=1020", "tov
 CHEAP = ["surprisal", "shallowzip"]
 AGNOSTIC = ["full", *(f"{m}:ratio={r}" for r in (0.75, 0.9) for m in (*CHEAP, "kvzip", "tova"))]
 AGNOSTIC_LENGTHS = [2048]
+#: Small budgets: 1k prompts at 90% removed (about 100 tokens kept), where a recent window can eat the budget.
+SMALL = ["full", *(f"{m}:ratio=0.9" for m in ("surprisal", "kvzip", "tova"))]
+SMALL_LENGTHS = [1024]
 #: The query-agnostic methods' prefill cost measured on its own (``prefill`` step) at a longer prompt too.
 AGNOSTIC_COST = ["full", *(f"{m}:ratio=0.75" for m in CHEAP), "kvzip:ratio=0.75"]
 AGNOSTIC_COST_LENGTHS = [2048, 4096]
 
 
 def decode_methods(info, length: int = DECODE_LENGTH) -> list[str]:
-    """full, rocketkv at each token budget, and snapkv holding the bytes that budget stores after ``length`` tokens."""
+    """full; per token budget: rocketkv, rocketkv with its rows quantized to 4 bits per token, and snapkv holding
+    the bytes the unquantized rocketkv stores after ``length`` tokens."""
     specs = ["full"]
     for budget in ROCKET_BUDGETS:
-        specs += [f"rocketkv:budget={budget}", f"snapkv:budget={equal_bytes_budget(info, length, budget)}"]
+        specs += [f"rocketkv:budget={budget}", f"rocketkv:budget={budget}+{ROCKET_QUANTIZER}",
+                  f"snapkv:budget={equal_bytes_budget(info, length, budget)}"]  # fmt: skip
     return specs
 
 
@@ -223,7 +232,7 @@ def stage_two_parts(row, model, repeats: int) -> dict:
             work()
         return 1e6 * (time.perf_counter() - began) / repeats
 
-    split, kept = row.split, (row.keys[None], row.values[None])
+    split, kept = row.split, (row.keys.whole()[None], row.values.whole()[None])
     return {
         "part": "stage 2 (one layer)", "method": f"rocketkv:budget={ROCKET_BUDGETS[0]}", "length": DECODE_LENGTH,
         "kept_tokens": len(row), "chunk": split.chunk, "channels": split.channels, "topk": split.topk,
@@ -231,9 +240,9 @@ def stage_two_parts(row, model, repeats: int) -> dict:
         "sparse_attention_us": round(clock(lambda: row.attend(query, scale, None)), 1),
         "dense_attention_us": round(clock(lambda: attention_with_lse(query, *kept, None, scale)), 1),
         "index_elements_read": row.key_bounds.shape[-1] * split.channels * row.keys.shape[0],
-        "key_elements": row.keys.numel(),
+        "key_elements": row.keys.shape.numel(),
         "kv_elements_read_sparse": 2 * split.topk * dim * row.keys.shape[0],
-        "kv_elements_read_dense": row.keys.numel() + row.values.numel(),
+        "kv_elements_read_dense": 2 * row.keys.shape.numel(),
     }  # fmt: skip
 
 
@@ -251,6 +260,8 @@ def accuracy(step: str, loaded, samples: int) -> list[dict]:
         grid = EvalGrid(TASKS, PREFILL_LENGTHS, specs, depths=1, samples=samples, modes=[QUERY_AWARE])
     elif step == "agnostic":
         grid = EvalGrid(TASKS, AGNOSTIC_LENGTHS, AGNOSTIC, depths=1, samples=samples, modes=[QUERY_AGNOSTIC])
+    elif step == "small":
+        grid = EvalGrid(TASKS, SMALL_LENGTHS, SMALL, depths=1, samples=samples, modes=[QUERY_AGNOSTIC])
     else:
         grid = EvalGrid(["ppl"], [], STREAM, ppl_tokens=8000, ppl_chunk=STREAM_CHUNK)
     path = run_eval(grid, WORK / step, loaded=loaded, progress=False)
@@ -260,13 +271,18 @@ def accuracy(step: str, loaded, samples: int) -> list[dict]:
 # -- the section ------------------------------------------------------------------------------------------------
 
 
+def rows_by_step(rows: list[dict]) -> dict[str, list[dict]]:
+    by_step: dict[str, list[dict]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    return by_step
+
+
 def render(rows: list[dict]) -> str:
     """The BENCHMARKS.md section for these rows (markdown)."""
     if not rows:
         return ""
-    by_step: dict[str, list[dict]] = {}
-    for row in rows:
-        by_step.setdefault(row["step"], []).append(row)
+    by_step = rows_by_step(rows)
     lines = [
         "## Methods that cut time: FastKV prefill, RocketKV decode, TreeKV streaming, a prefill-cheap rival to KVzip",
         "",
@@ -446,12 +462,34 @@ def _agnostic_part(by_step: dict) -> list[str]:
         "| method | accuracy | kept of `full`'s | prefill s (median) | vs `full`'s prefill |",
         "|---|---|---|---:|---:|",
     ]
-    for spec in dict.fromkeys(r["method"] for r in rows):
-        group = [r for r in rows if r["method"] == spec]
+    for spec, group in _per_method(rows).items():
         ratio = statistics.median(r["prefill_s"] / full[key(r)]["prefill_s"] for r in group if key(r) in full)
         kept = _kept(group, list(full.values())) if spec != "full" else ""
         lines.append(f"| `{spec}` | {_accuracy(group)} | {kept} | {_median(group, 'prefill_s'):.2f} | {ratio:.2f}x |")
-    return [*lines, "", *_cost_part(by_step)]
+    return [*lines, "", *_small_part(by_step), *_cost_part(by_step)]
+
+
+def _small_part(by_step: dict) -> list[str]:
+    rows = by_step.get("small", [])
+    if not rows:
+        return []
+    full = [r for r in rows if r["method"] == "full"]
+    lines = [
+        f"Small budgets (step `small`): {', '.join(TASKS)} at {', '.join(map(str, SMALL_LENGTHS))} tokens, 90% removed "
+        "(about 100 tokens kept), query-agnostic. `surprisal`'s recent window takes at most a quarter of the budget; "
+        "a row marked `@commit` is the method as that commit's code ran it (there: a fixed 64-token window).",
+        "",
+        "| method | accuracy | kept of `full`'s |",
+        "|---|---|---|",
+    ]
+    for spec, group in _per_method(rows).items():
+        lines.append(f"| `{spec}` | {_accuracy(group)} | {_kept(group, full) if spec != 'full' else ''} |")
+    return [*lines, ""]
+
+
+def _per_method(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows grouped by method, in the order the methods first appear."""
+    return {spec: [r for r in rows if r["method"] == spec] for spec in dict.fromkeys(r["method"] for r in rows)}
 
 
 def _cost_part(by_step: dict) -> list[str]:
@@ -480,7 +518,7 @@ def _cost_part(by_step: dict) -> list[str]:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
-DEFAULT_STEPS = "prefill,cost,decode,decode-qwen,profile,aware,stream,agnostic"
+DEFAULT_STEPS = "prefill,cost,decode,decode-qwen,profile,aware,stream,agnostic,small"
 
 
 def main() -> None:
@@ -507,7 +545,7 @@ def main() -> None:
             new = measure_decode(*kvopt.load_model(QWEN), args.repeats, args.new_tokens, QWEN_LENGTH, QWEN)
         elif step == "profile":
             new = measure_profile(model, tokenizer, args.profile_steps)
-        elif step in ("aware", "stream", "agnostic"):
+        elif step in ("aware", "stream", "agnostic", "small"):
             new = accuracy(step, loaded, args.samples)
         else:
             raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")

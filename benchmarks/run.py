@@ -9,7 +9,8 @@ plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.json
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
-(benchmarks/twobit.py), then the report with plots into benchmarks/report/.
+(benchmarks/twobit.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
+(benchmarks/accelerator.py) run by hand where one is lent; their committed rows get their own section.
 Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
 benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
 "What holds on both models" summary (benchmarks/both_models.py).
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import accelerator
 import both_models
 import codec
 import frontier
@@ -165,7 +167,10 @@ def main() -> None:
     model_label = args.model or DEFAULT_MODEL
 
     def finished(label: str, start: float) -> None:  # saved at once, merged with other runs' steps
-        save_timings(args.results, {label: time.perf_counter() - start})
+        seconds = time.perf_counter() - start
+        if args.only:  # one part of a step filled in parts: the step's time is the sum of its parts
+            seconds += load_timings(args.results).get(label, 0.0)
+        save_timings(args.results, {label: seconds})
 
     if "load" in steps:
         cold, warm = load_times()
@@ -491,7 +496,7 @@ def compose(args) -> None:
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
-             *committed_section(frontier), *committed_section(twobit)]  # fmt: skip
+             *committed_section(frontier), *committed_section(twobit), *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []
@@ -518,7 +523,8 @@ def compose(args) -> None:
         "|---|---:|",
         *(f"| {name} | {seconds / 60:.1f} min |" for name, seconds in timings.items() if not name.startswith("load")),
         "",
-        "Wall time of the latest run of each step. Steps may run in several parts (by length or task, rows are "
+        "Wall time of the latest run of each step; a step filled in parts with `--only` sums its parts' times. "
+        "Steps may run in several parts (by length or task, rows are "
         "resumable) and the accuracy and perplexity steps side by side, one thread per core; the timed steps "
         "(bench, speed, decode speed and memory, load) run alone on both cores.",
         "",
@@ -583,7 +589,8 @@ def second_model_part(name: str, folder: Path, report_dir: Path) -> list[str]:
         "",
     ]
     if timings:
-        lines += ["| step | wall time |", "|---|---:|", *(f"| {step} | {sec / 60:.1f} min |" for step, sec in timings.items()), ""]
+        lines += ["| step | wall time |", "|---|---:|", *(f"| {step} | {sec / 60:.1f} min |" for step, sec in timings.items()),
+                  "", "A step filled in parts with `--only` (side by side, one thread each) sums its parts' times.", ""]  # fmt: skip
     return lines + [f"#{line}" if line.startswith("#") else line for line in sections] + [""]
 
 

@@ -25,11 +25,13 @@ QUANTIZERS = [
 ]  # fmt: skip
 MOVERS = [*QUANTIZERS, "minicache:start=0.3"]
 #: The pairs that work: prefill-time eviction in the dense store, then quantization; merging after an
-#: eviction that keeps the same tokens in every layer. Every other pair is refused when parsed.
+#: eviction that keeps the same tokens in every layer; rocketkv's sparse rows in tokenquant's layout. Every other
+#: pair is refused when parsed.
 COMPOSABLE = {
     *((f"{name}:ratio=0.5", quantizer) for name in ("snapkv", "pyramidkv", "knorm", "random", "window", "fastkv")
       for quantizer in QUANTIZERS),  # fmt: skip
     ("window:ratio=0.5", "minicache:start=0.3"),
+    ("rocketkv:ratio=0.5", "tokenquant:bits=4,group=16,residual=16"),  # stage 2's rows quantized per token
 }
 
 

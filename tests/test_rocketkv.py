@@ -150,7 +150,7 @@ def test_stage_one_keeps_what_snapkv_keeps_at_the_papers_capacity():
         (row,) = sparse_part(ours).rows
         assert not len(ours.store) and len(row) == capacity
         assert torch.equal(row.positions, theirs.store.positions[0])
-        assert torch.equal(row.keys, theirs.store.keys[0]) and torch.equal(row.values, theirs.store.values[0])
+        assert torch.equal(row.keys.whole(), theirs.store.keys[0]) and torch.equal(row.values.whole(), theirs.store.values[0])
 
 
 def test_the_index_is_cheaper_to_read_and_to_hold_than_the_keys_and_counts_in_nbytes():
@@ -165,7 +165,7 @@ def test_the_index_is_cheaper_to_read_and_to_hold_than_the_keys_and_counts_in_nb
         (row,) = sparse_part(layer).rows
         split = row.split
         assert split.chunk >= 2 and split.topk < len(row)
-        key_bytes = row.keys.numel() * row.keys.element_size()
+        key_bytes = row.keys.nbytes()
         index_bytes = row.key_bounds.numel() * row.key_bounds.element_size()
         assert index_bytes == 2 * (len(row) // split.chunk) * info.num_kv_heads * info.head_dim * 4
         assert index_bytes <= key_bytes  # held: 2 / chunk of the keys
@@ -226,7 +226,7 @@ def test_other_families_generate(arch):
 
 
 def test_composition_follows_the_stage_rules():
-    with pytest.raises(MethodParameterError, match="rocketkv.*kivi|kivi.*rocketkv"):
+    with pytest.raises(MethodParameterError, match="rocketkv.*kivi.*rocketkv\\+tokenquant"):
         parse("rocketkv:budget=256+kivi:bits=4")
     with pytest.raises(MethodParameterError, match="must come before"):
         parse("rocketkv:budget=256+snapkv:ratio=0.5")
@@ -238,3 +238,86 @@ def test_composition_follows_the_stage_rules():
     with torch.no_grad():
         model(ids, past_key_values=cache)
     assert len(sparse_part(cache.layers[0]).rows[0]) == capacity_for(100, 24)
+
+
+# -- quantized rows (rocketkv+tokenquant) ------------------------------------------------------------------------
+
+
+def dequantized_reference(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Per-token min-max quantization of ``x [H, T, D]`` in groups of ``group`` channels, element by element:
+    fp16 zero = min and scale = (max - min) / (2^bits - 1), codes rounded against them."""
+    out = torch.empty_like(x)
+    levels = (1 << bits) - 1
+    for h in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for start in range(0, x.shape[2], group):
+                block = x[h, t, start : start + group]
+                zero = block.min().half().float()
+                span = (block.max() - block.min()).item()
+                scale = torch.tensor(span / levels if span > 0 else 1.0).half().float()
+                codes = torch.round((block - zero) / scale).clamp(0, levels)
+                out[h, t, start : start + group] = codes * scale + zero
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(
+    "tokens, split",
+    [(50, SparseSplit(chunk=3, channels=5, topk=10)), (40, SparseSplit(chunk=1, channels=6, topk=7)),
+     (30, SparseSplit(chunk=2, channels=16, topk=30))],
+)  # fmt: skip
+def test_quantized_rows_attend_like_the_reference_over_dequantized_tokens(bits, tokens, split):
+    """The chunks are chosen from the keys before quantization (fp16 summaries), then attention reads the chosen
+    tokens' dequantized vectors: the slow reference's choice on the original keys, its attention over slowly
+    dequantized keys and values."""
+    from kvopt.cache.sparse import Quantizer
+
+    generator = torch.Generator().manual_seed(tokens + bits)
+    keys, values = torch.randn(2, tokens, 16, generator=generator), torch.randn(2, tokens, 16, generator=generator)
+    query = torch.randn(4, 16, generator=generator) * 2
+    row = SparseRow.build(keys, values, torch.arange(tokens).expand(2, -1), split, Quantizer(bits, 8))
+    deq_keys, deq_values = dequantized_reference(keys, bits, 8), dequantized_reference(values, bits, 8)
+    # One-token chunks have no summaries: the search reads the stored (dequantized) keys' channels.
+    searched = deq_keys if split.chunk == 1 else keys.half().float()
+    slots, _ = reference_stage_two(searched, values, query, split, scaling=0.25)
+    if not row.exact:
+        flat = row.slots(row.select(query)) - torch.arange(2)[:, None] * tokens
+        assert [sorted(s) for s in flat.tolist()] == slots
+    expected = torch.zeros(4, 16, dtype=torch.float64)
+    for q in range(4):
+        h = q // 2
+        chosen = slots[h]
+        logits = deq_keys[h, chosen].double() @ query[q].double() * 0.25
+        expected[q] = torch.softmax(logits, dim=0) @ deq_values[h, chosen].double()
+    output, _ = row.attend(query[None, :, None], scaling=0.25, softcap=None)
+    assert (output[0, :, 0].double() - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_rocketkv_with_tokenquant_holds_its_estimate_and_fewer_bytes(bits):
+    model = tiny_model("llama")
+    ids, _ = random_batch([500], seed=3)
+    plain, quantized = "rocketkv:budget=24,window=8", f"rocketkv:budget=24,window=8+tokenquant:bits={bits},group=16"
+    caches = {spec: kvopt.cache(spec, model) for spec in (plain, quantized)}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(ids, past_key_values=cache)
+    info = ModelInfo.from_config(model.config)
+    for spec, cache in caches.items():
+        assert cache.nbytes() == estimate(info, 500, 1, parse(spec), dtype=torch.float32).total_bytes
+    # fp32 vectors (8 bytes per element pair) -> bits/8 per element plus fp16 ranges; fp32 -> fp16 summaries
+    assert caches[quantized].nbytes() < (0.3 if bits == 4 else 0.25) * caches[plain].nbytes()
+    for layer in caches[quantized].layers:
+        (row,) = sparse_part(layer).rows
+        assert row.key_bounds.dtype == torch.float16 and row.keys.groups.bits == bits
+
+
+def test_rocketkv_with_tokenquant_generates_batches_as_alone_and_quantizes_decoded_tokens():
+    lengths = [160, 97]
+    spec = "rocketkv:budget=24,window=8,kernel=5,pooling=avg+tokenquant:bits=4,group=16,residual=16"
+    model = tiny_model("llama")
+    cache, alone, _ = generate_rows_alone(model, spec, lengths, seed=7, new_tokens=24)
+    from kvopt.cache.quantized import QuantizedKV
+
+    for single in alone:  # 23 decoded tokens: one group of 16 has left the residual
+        assert all(len(layer.store) == 7 and layer.parts_of(QuantizedKV) for layer in single.layers)

@@ -20,6 +20,12 @@ Each batch row keeps its own tokens and its own split (``chunk``, ``channels``, 
 its prompt length), so a sequence attends the same in a batch as alone; padding is never stored.
 The part is immutable, like the ragged one: tokens arriving later go to the layer's dense store,
 and the two attention results merge exactly through their log-sum-exp.
+
+Quantized (``rocketkv+tokenquant``): each token's key and value are stored in ``bits`` per element
+with one fp16 scale and zero-point per group of channels (:class:`QuantizedVectors`, tokenquant's
+per-token layout), so a step dequantizes only the tokens it attends to. KIVI's per-channel key
+groups span tokens and could not be read chunk by chunk. The summaries are taken from the keys
+before quantization and held in fp16.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from functools import lru_cache
 
 import torch
 
+from kvopt.cache import quant
 from kvopt.cache.attention import attention_with_lse
 
 
@@ -41,12 +48,74 @@ class SparseSplit:
     topk: int
 
 
+@dataclass(frozen=True)
+class Quantizer:
+    """Per-token quantization of a sparse part's vectors: ``bits`` per element, groups of ``group`` channels."""
+
+    bits: int
+    group: int
+
+
+@dataclass
+class PlainVectors:
+    """Vectors ``[kv_heads, tokens, dim]`` held as they came."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    def whole(self) -> torch.Tensor:
+        return self.tensor
+
+    def take(self, slots: torch.Tensor) -> torch.Tensor:
+        """The vectors at flat indices ``slots`` into ``[kv_heads * tokens]``, as ``[kv_heads, -1, dim]``."""
+        heads, _, dim = self.tensor.shape
+        return self.tensor.reshape(-1, dim).index_select(0, slots).view(heads, -1, dim)
+
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class QuantizedVectors:
+    """Vectors ``[kv_heads, tokens, dim]`` quantized per token in groups of channels (codes packed along each
+    group's channels), so any tokens dequantize on their own."""
+
+    groups: quant.QuantizedGroups  # codes [H, T, dim / Gc, Gc * bits / 8], scale and zero [H, T, dim / Gc, 1]
+    shape: torch.Size
+
+    @classmethod
+    def encode(cls, x: torch.Tensor, quantizer: Quantizer) -> QuantizedVectors:
+        heads, tokens, dim = x.shape
+        channels = min(quantizer.group, dim)
+        grouped = x.reshape(heads, tokens, dim // channels, channels)
+        return cls(quant.quantize(grouped, quantizer.bits, dim=-1), x.shape)
+
+    def whole(self) -> torch.Tensor:
+        return quant.dequantize(self.groups).view(self.shape)
+
+    def take(self, slots: torch.Tensor) -> torch.Tensor:
+        heads, tokens, dim = self.shape
+        picked = (t.reshape(heads * tokens, *t.shape[2:]).index_select(0, slots)
+                  for t in (self.groups.codes, self.groups.scale, self.groups.zero))  # fmt: skip
+        part = quant.QuantizedGroups(*picked, self.groups.bits, self.groups.dim)
+        return quant.dequantize(part).view(heads, -1, dim)
+
+    def nbytes(self) -> int:
+        return self.groups.nbytes()
+
+
+Vectors = PlainVectors | QuantizedVectors
+
+
 @dataclass
 class SparseRow:
     """One batch row's tokens, ``[kv_heads, tokens, dim]``, with their chunk summaries."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: Vectors
+    values: Vectors
     positions: torch.Tensor  # [kv_heads, tokens] int32
     split: SparseSplit
     #: Per whole chunk, the keys' element-wise min (rows ``0..dim-1``) and max (rows ``dim..2 dim-1``),
@@ -55,14 +124,22 @@ class SparseRow:
     key_bounds: torch.Tensor | None
 
     @classmethod
-    def build(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, split: SparseSplit) -> SparseRow:
-        row = cls(keys, values, positions.to(torch.int32), split, None)
+    def build(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, split: SparseSplit,
+        quantizer: Quantizer | None = None,
+    ) -> SparseRow:  # fmt: skip
+        """A row of full-precision ``keys/values [kv_heads, tokens, dim]``, stored quantized when a ``quantizer``
+        is given (the summaries then come from the keys before quantization, in fp16; one-token chunks, which
+        have none, are searched on the stored keys)."""
+        store = PlainVectors if quantizer is None else lambda x: QuantizedVectors.encode(x, quantizer)
+        row = cls(store(keys), store(values), positions.to(torch.int32), split, None)
         if split.chunk > 1 and not row.exact:
-            row.key_bounds = chunk_bounds(keys[:, : row.chunks * split.chunk], split.chunk)
+            bounds = chunk_bounds(keys[:, : row.chunks * split.chunk], split.chunk)
+            row.key_bounds = bounds if quantizer is None else bounds.to(quant.PARAM_DTYPE)
         return row
 
     def __len__(self) -> int:
-        return self.keys.shape[1]
+        return self.positions.shape[1]
 
     @property
     def chunks(self) -> int:
@@ -75,8 +152,8 @@ class SparseRow:
         return -(-self.split.topk // self.split.chunk) >= self.chunks
 
     def nbytes(self) -> int:
-        held = (self.keys, self.values, self.positions, self.key_bounds)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        index = (t for t in (self.positions, self.key_bounds) if t is not None)
+        return self.keys.nbytes() + self.values.nbytes() + sum(t.numel() * t.element_size() for t in index)
 
     def select(self, query: torch.Tensor) -> torch.Tensor:
         """The chunks one query attends to, best first, ``[kv_heads, ceil(topk / chunk)]``: ``query [heads, dim]``."""
@@ -87,7 +164,8 @@ class SparseRow:
         channels = channels.expand(-1, grouped.shape[1], -1)
         selected = grouped.gather(-1, channels)  # [H_kv, g, r]
         if self.key_bounds is None:
-            bound = self.keys.transpose(1, 2).gather(1, channels[:, 0, :, None].expand(-1, -1, tokens))  # [H_kv, r, T]
+            keys = self.keys.whole().transpose(1, 2)
+            bound = keys.gather(1, channels[:, 0, :, None].expand(-1, -1, tokens))  # [H_kv, r, T]
         else:  # the max where the group's query is positive, else the min: an upper bound of q . k
             first = channels[:, 0]
             bound = rows(self.key_bounds, torch.where(selected.sum(dim=1) > 0, first + dim, first))  # [H_kv, r, chunks]
@@ -102,7 +180,7 @@ class SparseRow:
         """Flat indices into ``keys.view(kv_heads * tokens, dim)`` of the tokens of ``chunks [kv_heads, n]`` and of
         the newest tokens no whole chunk holds."""
         chunk = self.split.chunk
-        inside, tail = _slot_offsets(self.keys.shape[0], len(self), chunk, self.keys.device)
+        inside, tail = _slot_offsets(self.keys.shape[0], len(self), chunk, self.positions.device)
         return torch.cat([(chunks[..., None] * chunk + inside).flatten(1), tail], dim=1)
 
     def attend(
@@ -110,12 +188,12 @@ class SparseRow:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``query [1, H_q, q, D]`` -> ``(output [1, H_q, q, D], lse [1, H_q, q])``; every stored token is
         older than any query (the part is made at the end of the prefill), so no mask is needed."""
-        keys, values = self.keys, self.values
         # Several queries (a later prompt chunk) read all tokens, as the paper's prefill does.
         if not self.exact and query.shape[2] == 1:
             slots = self.slots(self.select(query[0, :, 0])).flatten()
-            heads, _, dim = keys.shape
-            keys, values = (t.reshape(-1, dim).index_select(0, slots).view(heads, -1, dim) for t in (keys, values))
+            keys, values = self.keys.take(slots), self.values.take(slots)
+        else:
+            keys, values = self.keys.whole(), self.values.whole()
         return attention_with_lse(query, keys[None], values[None], None, scaling, softcap)
 
 
@@ -156,14 +234,14 @@ class SparseKV:
 
     @classmethod
     def gather(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               splits: list[SparseSplit]) -> SparseKV:  # fmt: skip
+               splits: list[SparseSplit], quantizer: Quantizer | None = None) -> SparseKV:  # fmt: skip
         """The valid tokens of dense ``[B, H, T, ...]`` tensors, each row with its split (every KV head of a
-        row holds as many valid tokens)."""
+        row holds as many valid tokens), quantized per token when a ``quantizer`` is given."""
         kept = []
         for row, split in enumerate(splits):
             slots = valid[row].nonzero()[:, 1].reshape(keys.shape[1], -1)  # [H, kept], sorted per head
             tokens = rows(keys[row], slots), rows(values[row], slots), positions[row].gather(1, slots)
-            kept.append(SparseRow.build(*tokens, split))
+            kept.append(SparseRow.build(*tokens, split, quantizer))
         return cls(kept)
 
     def nbytes(self) -> int:

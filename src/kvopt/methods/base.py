@@ -110,6 +110,11 @@ class Method:
         """True when this method stores layer ``index``'s tokens its own way (cross-layer merging)."""
         return False
 
+    def stores_quantized(self, quantizer: Method, kept_tokens: int, model: ModelInfo, layer: LayerContext) -> bool:
+        """True when this method stores ``quantizer``'s tokens of a layer in its own quantized layout and counts
+        their bytes (a cross-layer merge, for the layers it owns)."""
+        return self.owns_layer(layer.index)
+
     def layer_bytes(self, kept_tokens: int, model: ModelInfo, element_bytes: int, layer: LayerContext) -> int | None:
         """Bytes one sequence's ``kept_tokens`` take in a (full-attention) layer when this method
         changes how tokens are stored (quantization, merging); None leaves the full-precision size."""

@@ -138,8 +138,9 @@ def protect_first(scores: torch.Tensor, valid: torch.Tensor, count: int) -> torc
     return scores.masked_fill((rank <= count) & valid, float("inf"))
 
 
-def keep_top(layer, scores: torch.Tensor, targets: torch.Tensor, protect_recent: int = 0) -> None:
-    """Keep, per row and head, the ``targets[row]`` best-scoring valid slots (recent ones protected).
+def keep_top(layer, scores: torch.Tensor, targets: torch.Tensor, protect_recent: int | torch.Tensor = 0) -> None:
+    """Keep, per row and head, the ``targets[row]`` best-scoring valid slots (the newest ``protect_recent``, one
+    count or one per row, protected).
 
     Rows are stored rectangularly, so a row whose budget is below the batch's largest keeps a
     few surplus slots marked invalid (masked, not counted as kept) until ragged storage.
@@ -148,10 +149,11 @@ def keep_top(layer, scores: torch.Tensor, targets: torch.Tensor, protect_recent:
     heads = scores.shape[1]
     valid = store.valid[:, :heads] if heads > 1 else store.valid[:, :1]
     scores = scores.masked_fill(~valid, float("-inf"))
-    if protect_recent:
+    recent = torch.minimum(targets, torch.as_tensor(protect_recent, device=targets.device))
+    if bool(recent.any()):
         # Each row protects its newest min(window, its target) slots.
         slots = torch.arange(scores.shape[-1], device=scores.device)
-        recent = targets.clamp(max=protect_recent)[:, None, None]
+        recent = recent[:, None, None]
         protected = (slots >= scores.shape[-1] - recent) & valid
         scores = scores.masked_fill(protected, float("inf"))
     keep = min(int(targets.max()), scores.shape[-1])

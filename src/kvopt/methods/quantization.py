@@ -60,8 +60,8 @@ class Quantization(Method):
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
         """Size right after a prefill of ``kept_tokens``: whole groups packed (:func:`packed_bytes`),
         the remainder at full precision (:func:`dense_bytes`)."""
-        if any(m.owns_layer(layer.index) for m in layer.methods if m is not self):
-            return None  # a cross-layer merge owns this layer's tokens (and accounts for their quantization)
+        if any(m.stores_quantized(self, kept_tokens, model, layer) for m in layer.methods if m is not self):
+            return None  # another method stores these tokens quantized its own way (and counts them)
         heads, dim = model.num_kv_heads, model.head_dim
         quantized = self.quantized_after_prefill(kept_tokens)
         aligned = self.heads_aligned and not layer.per_head

@@ -37,9 +37,11 @@ Deviations:
   still take the top ``B / 2`` by exact scores).
 * Queries of a multi-token forward after the prefill (a second prompt chunk) attend to all
   tokens, as the paper's prefill does. Sliding-window layers keep stage 1 only.
-* Composition: stage 2 reads full-precision keys, so quantizing after rocketkv is refused
-  (``rocketkv+kivi``); kivi would need the sparse part to gather single tokens from packed
-  groups.
+* Composition with quantization: ``rocketkv+tokenquant:bits=4`` stores the kept tokens quantized per
+  token (each key and value in ``bits`` per element, an fp16 scale and zero-point per group of channels),
+  and each step dequantizes only the tokens it attends to; the chunk summaries come from the keys
+  before quantization, in fp16. ``rocketkv+kivi`` is refused: KIVI's per-channel key groups span
+  tokens, so stage 2 could not read its chunks on their own.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvopt.cache.sparse import SparseKV, SparseSplit
+from kvopt.cache.quant import PARAM_DTYPE
+from kvopt.cache.sparse import Quantizer, SparseKV, SparseSplit
 from kvopt.cache.storage import DenseKVStore
 from kvopt.methods.base import register
-from kvopt.methods.quantization import dense_bytes
+from kvopt.methods.quantization import dense_bytes, packed_bytes, position_bytes
 from kvopt.methods.snapkv import SnapKV
+from kvopt.methods.spec import ADOPTS
 
 
 def capacity_for(prompt: int, budget: int) -> int:
@@ -133,14 +137,33 @@ class RocketKV(SnapKV):
         if layer.sliding_window is not None or all(s.topk >= c for s, c in zip(splits, capacities)):
             return  # nothing for stage 2 to skip: the tokens stay dense and are read whole
         store = layer.store
-        layer.add_part(SparseKV.gather(store.keys, store.values, store.positions, store.valid, splits))
+        quantizer = adopted_quantizer(layer.methods)
+        layer.add_part(SparseKV.gather(store.keys, store.values, store.positions, store.valid, splits, quantizer))
         layer.store = DenseKVStore()
 
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
-        """Keys and values with per-head positions, plus the min/max key summaries per chunk."""
+        """Keys and values with per-head positions (quantized per token when a quantizer follows), plus the
+        min/max key summaries per chunk (fp16 when quantized)."""
         split = stage_two(kept_tokens, self.c2(kept_tokens), model.head_dim)
-        stored = dense_bytes(kept_tokens, model.num_kv_heads, model.head_dim, element_bytes, evicted=True)
+        heads, dim = model.num_kv_heads, model.head_dim
+        quantizer = adopted_quantizer(layer.methods) if split.topk < kept_tokens else None  # else the tokens stay dense
+        if quantizer is None:
+            stored = dense_bytes(kept_tokens, heads, dim, element_bytes, evicted=True)
+        else:
+            packed = packed_bytes(kept_tokens, heads, dim, quantizer.bits, quantizer.group, "token")
+            stored, element_bytes = packed + position_bytes(kept_tokens, heads), PARAM_DTYPE.itemsize
         chunks = kept_tokens // split.chunk  # whole chunks (the newest remainder is always read)
         if split.chunk == 1 or -(-split.topk // split.chunk) >= chunks:
             return stored
-        return stored + 2 * chunks * model.num_kv_heads * model.head_dim * element_bytes
+        return stored + 2 * chunks * heads * dim * element_bytes
+
+    def stores_quantized(self, quantizer, kept_tokens: int, model, layer) -> bool:
+        """The kept tokens of a layer stage 2 reads sparsely are quantized here, in tokenquant's per-token layout."""
+        split = stage_two(kept_tokens, self.c2(kept_tokens), model.head_dim)
+        return quantizer.name in ADOPTS["sparse"] and split.topk < kept_tokens
+
+
+def adopted_quantizer(methods) -> Quantizer | None:
+    """The settings of the quantizer that follows rocketkv in a spec (``rocketkv+tokenquant:bits=4``), if any."""
+    found = next((m for m in methods if m.name in ADOPTS["sparse"]), None)
+    return None if found is None else Quantizer(found.bits, found.group)

@@ -24,8 +24,9 @@ from kvopt.methods.base import Method, get
 #: merge, then quantize.
 STAGES = {None: 0, "ragged": 1, "sparse": 1, "merged": 2, "quantized": 3}
 #: Storages that take over a later method's job instead of leaving it no tokens: merged layer pairs
-#: store their shared directions in KIVI's format when kivi follows (see :mod:`kvopt.methods.minicache`).
-ADOPTS = {"merged": ("kivi",)}
+#: store their shared directions in KIVI's format when kivi follows (see :mod:`kvopt.methods.minicache`);
+#: sparse-attention rows store their tokens in tokenquant's per-token format (see :mod:`kvopt.methods.rocketkv`).
+ADOPTS = {"merged": ("kivi",), "sparse": ("tokenquant",)}
 
 
 def parse(spec: str) -> list[Method]:
@@ -138,7 +139,7 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
             raise MethodParameterError(
                 f"{spec!r}: {later.name} acts only on tokens in the dense store, but {earlier.name} moves them into "
                 f"{storage(earlier)} storage first, so {later.name} would not act on them (while the memory estimate "
-                "counts it); keep one of the two (of such pairs, minicache+kivi is the one that works)"
+                "counts it); keep one of the two (the pairs that work: minicache+kivi, rocketkv+tokenquant)"
             )
     for method in methods:
         for mover in movers:
