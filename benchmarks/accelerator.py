@@ -126,7 +126,9 @@ def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]
     if not rows:
         return []
     length, new_tokens = rows[0]["length"], rows[0]["new_tokens"]
-    speeds = {spec: _runs(rows, spec, key) for spec in dict.fromkeys(r["method"] for r in rows)}
+    # every run's value: twobit rows list theirs (``runs_tok_s``), frontier rows are one run each
+    speeds = {spec: [v for r in group for v in r.get("runs_tok_s", [r[key]])]
+              for spec, group in frontier.per_method(rows).items()}  # fmt: skip
     reference = statistics.median(speeds[base]) if base in speeds else None
     lines = [f"### {title} (after {length} tokens, {new_tokens} decoded)", "",
              f"| method | decode tok/s | vs `{base}` | runs |", "|---|---:|---:|---|"]  # fmt: skip
@@ -137,23 +139,15 @@ def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]
     return [*lines, ""]
 
 
-def _runs(rows: list[dict], spec: str, key: str) -> list[float]:
-    """Every run's value: twobit rows list theirs (``runs_tok_s``), frontier rows are one run each."""
-    mine = [r for r in rows if r["method"] == spec]
-    return [v for r in mine for v in r.get("runs_tok_s", [r[key]])]
-
-
 def _prefill_table(title: str, rows: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = [f"### {title}", "", "| length | method | prefill s | vs `full` | KV held |", "|---:|---|---:|---:|---:|"]
     for length in dict.fromkeys(r["length"] for r in rows):
-        runs = [r for r in rows if r["length"] == length]
-        seconds = {spec: statistics.median(r["prefill_s"] for r in runs if r["method"] == spec)
-                   for spec in dict.fromkeys(r["method"] for r in runs)}  # fmt: skip
-        full = seconds.get("full")
-        for spec, value in seconds.items():
-            held = next(r["kv_bytes"] for r in runs if r["method"] == spec) / 1e6
+        groups = frontier.per_method([r for r in rows if r["length"] == length])
+        full = statistics.median(r["prefill_s"] for r in groups["full"]) if "full" in groups else None
+        for spec, group in groups.items():
+            value, held = statistics.median(r["prefill_s"] for r in group), group[0]["kv_bytes"] / 1e6
             ratio = f"{value / full:.2f}x" if full else "-"
             lines.append(f"| {length} | `{spec}` | {value * 1e3:.1f} ms | {ratio} | {held:.1f} MB |")
     return [*lines, ""]

@@ -377,8 +377,7 @@ def _decode_part(by_step: dict) -> list[str]:
             "| method | KV held | decode tok/s | vs `full` | accuracy (query-aware) | kept of `full`'s |",
             "|---|---:|---:|---:|---|---|",
         ]
-        for spec in dict.fromkeys(r["method"] for r in runs):
-            group = [r for r in runs if r["method"] == spec]
+        for spec, group in per_method(runs).items():
             speed = _median(group, "decode_tok_s")
             cells = _aware_cells(by_step, spec, length) if accuracy else " | "
             lines.append(f"| `{spec}` | {group[-1]['kv_bytes'] / 1e6:.1f} MB | {speed:.2f} | {speed / full:.2f}x | {cells} |")
@@ -462,7 +461,7 @@ def _agnostic_part(by_step: dict) -> list[str]:
         "| method | accuracy | kept of `full`'s | prefill s (median) | vs `full`'s prefill |",
         "|---|---|---|---:|---:|",
     ]
-    for spec, group in _per_method(rows).items():
+    for spec, group in per_method(rows).items():
         ratio = statistics.median(r["prefill_s"] / full[key(r)]["prefill_s"] for r in group if key(r) in full)
         kept = _kept(group, list(full.values())) if spec != "full" else ""
         lines.append(f"| `{spec}` | {_accuracy(group)} | {kept} | {_median(group, 'prefill_s'):.2f} | {ratio:.2f}x |")
@@ -482,12 +481,12 @@ def _small_part(by_step: dict) -> list[str]:
         "| method | accuracy | kept of `full`'s |",
         "|---|---|---|",
     ]
-    for spec, group in _per_method(rows).items():
+    for spec, group in per_method(rows).items():
         lines.append(f"| `{spec}` | {_accuracy(group)} | {_kept(group, full) if spec != 'full' else ''} |")
     return [*lines, ""]
 
 
-def _per_method(rows: list[dict]) -> dict[str, list[dict]]:
+def per_method(rows: list[dict]) -> dict[str, list[dict]]:
     """Rows grouped by method, in the order the methods first appear."""
     return {spec: [r for r in rows if r["method"] == spec] for spec in dict.fromkeys(r["method"] for r in rows)}
 

@@ -47,6 +47,10 @@ class SparseSplit:
     channels: int
     topk: int
 
+    def skips_tokens_of(self, tokens: int) -> bool:
+        """True when a row of ``tokens`` tokens is read sparsely (else it stays dense and is read whole)."""
+        return self.topk < tokens
+
 
 @dataclass(frozen=True)
 class Quantizer:

@@ -112,6 +112,10 @@ class RocketKV(SnapKV):
         """Stage 2's compression ``capacity / B`` for a sequence whose stage 1 kept ``capacity`` tokens."""
         return ratio_c2(self.ratio) if self.ratio is not None else max(1.0, capacity / self.budget)
 
+    def split(self, capacity: int, head_dim: int) -> SparseSplit:
+        """Stage 2's settings for a sequence whose stage 1 kept ``capacity`` tokens."""
+        return stage_two(capacity, self.c2(capacity), head_dim)
+
     def kept_tokens(self, seen_tokens: int) -> int:
         if self.ratio is not None or seen_tokens == 0:
             return super().kept_tokens(seen_tokens)
@@ -124,7 +128,7 @@ class RocketKV(SnapKV):
             real = layer.store.valid[:, 0].sum(dim=-1)
             capacities = [self.kept_tokens(int(n)) for n in real]
             head_dim = layer.store.keys.shape[-1]
-            layer.state[f"{self.name}.splits"] = [stage_two(c, self.c2(c), head_dim) for c in capacities]
+            layer.state[f"{self.name}.splits"] = [self.split(c, head_dim) for c in capacities]
             layer.state[key] = torch.tensor(capacities, dtype=real.dtype, device=real.device)
         return layer.state[key]
 
@@ -134,7 +138,7 @@ class RocketKV(SnapKV):
         super().after_attention(layer, step)  # stage 1: evict in the dense store
         splits = layer.state[f"{self.name}.splits"]
         capacities = layer.state[f"{self.name}.capacity"].tolist()
-        if layer.sliding_window is not None or all(s.topk >= c for s, c in zip(splits, capacities)):
+        if layer.sliding_window is not None or not any(s.skips_tokens_of(c) for s, c in zip(splits, capacities)):
             return  # nothing for stage 2 to skip: the tokens stay dense and are read whole
         store = layer.store
         quantizer = adopted_quantizer(layer.methods)
@@ -144,9 +148,9 @@ class RocketKV(SnapKV):
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
         """Keys and values with per-head positions (quantized per token when a quantizer follows), plus the
         min/max key summaries per chunk (fp16 when quantized)."""
-        split = stage_two(kept_tokens, self.c2(kept_tokens), model.head_dim)
+        split = self.split(kept_tokens, model.head_dim)
         heads, dim = model.num_kv_heads, model.head_dim
-        quantizer = adopted_quantizer(layer.methods) if split.topk < kept_tokens else None  # else the tokens stay dense
+        quantizer = adopted_quantizer(layer.methods) if split.skips_tokens_of(kept_tokens) else None
         if quantizer is None:
             stored = dense_bytes(kept_tokens, heads, dim, element_bytes, evicted=True)
         else:
@@ -159,8 +163,8 @@ class RocketKV(SnapKV):
 
     def stores_quantized(self, quantizer, kept_tokens: int, model, layer) -> bool:
         """The kept tokens of a layer stage 2 reads sparsely are quantized here, in tokenquant's per-token layout."""
-        split = stage_two(kept_tokens, self.c2(kept_tokens), model.head_dim)
-        return quantizer.name in ADOPTS["sparse"] and split.topk < kept_tokens
+        split = self.split(kept_tokens, model.head_dim)
+        return quantizer.name in ADOPTS["sparse"] and split.skips_tokens_of(kept_tokens)
 
 
 def adopted_quantizer(methods) -> Quantizer | None:
