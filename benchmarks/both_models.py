@@ -35,11 +35,11 @@ def rows(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def agnostic_scores(folder: Path) -> dict[str, list[dict]]:
-    """Scored query-agnostic task rows per method spec."""
+def agnostic_scores(folder: Path, mode: str = "query_agnostic") -> dict[str, list[dict]]:
+    """Scored task rows of ``mode`` (query-agnostic unless told) per method spec."""
     found: dict[str, list[dict]] = {}
     for row in rows(folder, EVAL):
-        if row.get("score") is not None and row.get("mode") == "query_agnostic":
+        if row.get("score") is not None and row.get("mode") == mode:
             found.setdefault(row["method"], []).append(row)
     return found
 
@@ -73,6 +73,22 @@ def kvzip_vs_presses(ratio: float) -> Callable[[Path], Finding]:
         clearly = " (intervals apart)" if ours.low > theirs.high else " (intervals overlap)"
         text = f"kvzip {ours.cell()} vs best press `{spec.split(':')[1]}` {theirs.cell()}, n={ours.prompts}"
         return Finding(text + (clearly if ours.kept > theirs.kept else ""), ours.kept > theirs.kept)
+
+    return measure
+
+
+def snapkv_query_aware(ratio: float) -> Callable[[Path], Finding]:
+    """SnapKV's published setting (the question inside the compressed prompt): near-lossless retrieval, here
+    read as keeping at least 80% of full's answers."""
+
+    def measure(folder: Path) -> Finding:
+        scores = agnostic_scores(folder, "query_aware")
+        ours = retention(scores.get(f"snapkv:ratio={ratio}", []), scores.get("full", []))
+        if ours is None:
+            return Finding("not measured", None)
+        press = retention(scores.get(f"kvpress:snapkv:ratio={ratio}", []), scores["full"])
+        text = f"snapkv {ours.cell()}" + (f", kvpress's {press.cell()}" if press is not None else "")
+        return Finding(f"{text}, n={ours.prompts}", ours.kept >= 0.8)
 
     return measure
 
@@ -144,6 +160,9 @@ HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
     ("kvzip keeps more of full's answers than the best kvpress press at 75% removed (query-agnostic)",
      kvzip_vs_presses(0.75)),
     ("... and at 90% removed", kvzip_vs_presses(0.9)),
+    ("SnapKV with the question inside the prompt (query-aware) keeps >= 80% of full's answers at 50% removed",
+     snapkv_query_aware(0.5)),
+    ("... and at 75% removed", snapkv_query_aware(0.75)),
     ("Ada-KV's per-head budgets really free memory (bytes held = its budget)", adakv_bytes),
     ("`kivi:bits=4` answers as well as HF quanto 4-bit and decodes faster", kivi_vs_quanto(4)),
     ("`kivi:bits=2` answers as well as HF quanto 2-bit and decodes faster", kivi_vs_quanto(2)),

@@ -12,6 +12,8 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 * ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512 (also with its
   rows in 4 bits, ``+tokenquant:bits=4``), and ``snapkv`` keeping the bytes each unquantized rocketkv budget
   stores (summaries included); one recorded prefill replayed.
+* ``decode-batch``: the same with ``--batch`` different 8k prompts decoded together (tok/s of the whole batch): the
+  weights are read once per step for all rows while each row reads its own KV.
 * ``decode-qwen``: the same at 16k tokens on Qwen2.5-Coder-0.5B (32k positions), where installed.
 * ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
   the LM head), for ``full`` and ``rocketkv``; and rocketkv's stage 2 on one layer: the approximate search, the
@@ -95,11 +97,13 @@ def equal_bytes_budget(info, length: int, budget: int) -> int:
     return round(stored / (dense_bytes(1, info.num_kv_heads, info.head_dim, 4, evicted=True) * info.num_layers))
 
 
-def prompt_ids(tokenizer, length: int) -> list[int]:
+def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
+    """``length`` tokens of local real text (repeated as needed), starting ``offset`` tokens in."""
     from kvopt.eval.tasks.text import real_text
 
     ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
-    return (ids * (length // len(ids) + 1))[:length]
+    offset %= len(ids)
+    return (ids * ((length + offset) // len(ids) + 1))[offset : offset + length]
 
 
 def stamp(rows: list[dict], step: str) -> list[dict]:
@@ -172,6 +176,39 @@ def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int 
 
 
 @torch.inference_mode()
+def measure_batch_decode(model, tokenizer, repeats: int, new_tokens: int, batch: int) -> list[dict]:
+    """Decode tok/s (all rows together) of ``batch`` different 8k prompts decoded side by side: the weights are
+    read once per step for the whole batch while each row reads its own KV, so the KV's share of a step grows
+    with the batch (one recorded batched prefill, replayed by every contender)."""
+    from kvopt.api import build_cache
+    from kvopt.methods.recording import record_prefill
+    from kvopt.models.forward import cache_kwargs
+    from kvopt.models.info import ModelInfo
+
+    length = DECODE_LENGTH - new_tokens - 8
+    ids = torch.tensor([prompt_ids(tokenizer, length, offset=row * 1009) for row in range(batch)])
+    positions = torch.arange(length)[None].expand(batch, -1)
+    recorded, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
+    rows = []
+    for repeat in range(repeats):
+        for spec in decode_methods(ModelInfo.from_config(model.config)):
+            cache = build_cache(spec, model)
+            cache.replay_prefill(recorded)
+            tokens, seconds = output.logits[:, -1].argmax(-1, keepdim=True), 0.0
+            for step in range(new_tokens):
+                began = time.perf_counter()
+                logits = model(input_ids=tokens, **cache_kwargs(model, cache), use_cache=True,
+                               position_ids=positions[:, :1] + length + step, logits_to_keep=1).logits  # fmt: skip
+                tokens = logits[:, -1].argmax(-1, keepdim=True)
+                seconds += (time.perf_counter() - began) if step else 0.0  # the first step warms up
+            rows.append({"method": spec, "length": DECODE_LENGTH, "repeat": repeat, "new_tokens": new_tokens,
+                         "batch": batch, "decode_tok_s": round(batch * (new_tokens - 1) / seconds, 3),
+                         "kv_bytes": cache.nbytes(), "model": MODEL})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
 def measure_profile(model, tokenizer, steps: int) -> list[dict]:
     """A decode step's time in kvopt's attention calls vs the rest; rocketkv's stage 2 taken apart on one layer."""
     from transformers import AttentionInterface
@@ -212,7 +249,7 @@ def measure_profile(model, tokenizer, steps: int) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         attention.register()
-    rows.append(stage_two_parts(cache.layers[len(cache.layers) // 2].parts_of(SparseKV)[0].rows[0], model, steps))
+    rows.append(stage_two_parts(cache.layers[len(cache.layers) // 2].parts_of(SparseKV)[0].row(0), model, steps))
     print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -360,19 +397,27 @@ def _prefill_part(by_step: dict) -> list[str]:
 
 
 def _decode_part(by_step: dict) -> list[str]:
-    rows = by_step.get("decode", []) + by_step.get("decode-qwen", [])
+    rows = by_step.get("decode", []) + by_step.get("decode-batch", []) + by_step.get("decode-qwen", [])
     lines = []
-    for model, length in dict.fromkeys((r["model"], r["length"]) for r in rows):
-        runs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+    for model, length, batch in dict.fromkeys((r["model"], r["length"], r.get("batch", 1)) for r in rows):
+        runs = [r for r in rows if (r["model"], r["length"], r.get("batch", 1)) == (model, length, batch)]
         full = _median([r for r in runs if r["method"] == "full"], "decode_tok_s")
-        accuracy = model == MODEL and length == DECODE_LENGTH  # the query-aware grid ran on the default model
+        # the query-aware grid ran on the default model; a batch of prompts repeats the single prompt's accuracy
+        accuracy = model == MODEL and length == DECODE_LENGTH and batch == 1
+        together = f", {batch} prompts decoded together" if batch > 1 else ""
         lines += [
-            f"### Decode at {length} tokens ({model}): RocketKV's sparse attention vs SnapKV at equal stored bytes",
+            f"### Decode at {length} tokens ({model}{together}): RocketKV's sparse attention vs SnapKV at equal "
+            "stored bytes",
             "",
             f"{runs[0]['new_tokens']} tokens decoded after one recorded prefill of local real text (median of "
             f"{max(r['repeat'] for r in runs) + 1} interleaved runs). `snapkv:budget=N` keeps the bytes the "
             "rocketkv budget above it stores (its stage-1 tokens plus the chunk summaries)."
-            + (f" Accuracy: question inside the prefill, {length}-token prompts (step `aware`)." if accuracy else ""),
+            + (f" Accuracy: question inside the prefill, {length}-token prompts (step `aware`)." if accuracy else "")
+            + (f" {batch} different prompts (windows of the same text) share each step: tok/s counts every row's "
+               "tokens, KV held is the whole batch's; the model's weights are read once per step for all rows, "
+               "each row's KV for itself, so the KV's share of a step grows with the batch. A row decodes what it "
+               "decodes alone (tested), so its accuracy is the single prompt's above."
+               if batch > 1 else ""),
             "",
             "| method | KV held | decode tok/s | vs `full` | accuracy (query-aware) | kept of `full`'s |",
             "|---|---:|---:|---:|---|---|",
@@ -517,7 +562,7 @@ def _cost_part(by_step: dict) -> list[str]:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
-DEFAULT_STEPS = "prefill,cost,decode,decode-qwen,profile,aware,stream,agnostic,small"
+DEFAULT_STEPS = "prefill,cost,decode,decode-batch,decode-qwen,profile,aware,stream,agnostic,small"
 
 
 def main() -> None:
@@ -525,6 +570,7 @@ def main() -> None:
     parser.add_argument("--steps", default=DEFAULT_STEPS)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each timed method")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="sequences decoded together in step decode-batch")
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="prompts per task and length in the accuracy steps")
     args = parser.parse_args()
@@ -542,6 +588,8 @@ def main() -> None:
             new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
         elif step == "decode-qwen":  # the longer-context model, where installed
             new = measure_decode(*kvopt.load_model(QWEN), args.repeats, args.new_tokens, QWEN_LENGTH, QWEN)
+        elif step == "decode-batch":
+            new = measure_batch_decode(model, tokenizer, args.repeats, args.new_tokens, args.batch)
         elif step == "profile":
             new = measure_profile(model, tokenizer, args.profile_steps)
         elif step in ("aware", "stream", "agnostic", "small"):
@@ -549,7 +597,8 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
         old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-        kept = [row for row in old if row["step"] != step]
+        # a batch size's rows replace that batch size's only
+        kept = [row for row in old if row["step"] != step or row.get("batch", args.batch) != args.batch]
         ROWS.parent.mkdir(parents=True, exist_ok=True)
         ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + stamp(new, step)))
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]

@@ -126,3 +126,19 @@ def test_kivi_against_quanto_needs_both_answers_and_speed_and_reads_canonical_sp
     write(tmp_path, both_models.EVAL, rows)
     four = both_models.kivi_vs_quanto(4)(tmp_path)
     assert four.holds is True and "kept 100%" in four.text and "vs quanto 0%" in four.text
+
+
+def test_query_aware_snapkv_reads_only_query_aware_rows_and_needs_four_fifths(tmp_path):
+    """The query-aware headline pairs snapkv with full's query-aware answers (the agnostic rows of the same prompts
+    do not count) and holds from 80% of full's answers kept."""
+    aware = lambda method, sample, score: {**task_row(method, sample, score), "mode": "query_aware"}  # noqa: E731
+    rows = []
+    for sample in range(10):
+        rows += [aware("full", sample, 1.0), aware("snapkv:ratio=0.5", sample, float(sample < 8))]
+        rows += [aware("snapkv:ratio=0.75", sample, float(sample < 7)), task_row("snapkv:ratio=0.75", sample, 1.0)]
+        rows += [aware("kvpress:snapkv:ratio=0.5", sample, float(sample < 5))]
+    write(tmp_path, both_models.EVAL, rows)
+    half, quarter = both_models.snapkv_query_aware(0.5)(tmp_path), both_models.snapkv_query_aware(0.75)(tmp_path)
+    assert half.holds is True and "snapkv 80%" in half.text and "kvpress's 50%" in half.text and "n=10" in half.text
+    assert quarter.holds is False and "snapkv 70%" in quarter.text and "kvpress" not in quarter.text
+    assert both_models.snapkv_query_aware(0.9)(tmp_path).holds is None

@@ -147,7 +147,7 @@ def test_stage_one_keeps_what_snapkv_keeps_at_the_papers_capacity():
         model(ids, past_key_values=rocket)
         model(ids, past_key_values=snap)
     for ours, theirs in zip(rocket.layers, snap.layers):
-        (row,) = sparse_part(ours).rows
+        row = sparse_part(ours).row(0)
         assert not len(ours.store) and len(row) == capacity
         assert torch.equal(row.positions, theirs.store.positions[0])
         assert torch.equal(row.keys.whole(), theirs.store.keys[0]) and torch.equal(row.values.whole(), theirs.store.values[0])
@@ -162,7 +162,7 @@ def test_the_index_is_cheaper_to_read_and_to_hold_than_the_keys_and_counts_in_nb
         model(ids, past_key_values=full)
     info = ModelInfo.from_config(model.config)
     for layer in cache.layers:
-        (row,) = sparse_part(layer).rows
+        row = sparse_part(layer).row(0)
         split = row.split
         assert split.chunk >= 2 and split.topk < len(row)
         key_bytes = row.keys.nbytes()
@@ -193,21 +193,23 @@ def test_decoded_tokens_stay_dense_and_bytes_grow_by_them_only():
     assert torch.isfinite(logits).all()
 
 
-def test_batch_rows_match_single_runs():
-    """Left-padded rows: each keeps and generates what it keeps and generates alone (its own split).
+@pytest.mark.parametrize("lengths, runs", [([160, 97, 12], [1, 1, 1]), ([160, 160, 97, 97, 97], [2, 3])])
+def test_batch_rows_match_single_runs(lengths, runs):
+    """Left-padded rows: each keeps and generates what it keeps and generates alone (its own split); consecutive
+    rows of one length share one run (one search and attention for all of them).
 
     Average pooling here: max pooling's plateaus of tied scores are cut wherever ``topk`` breaks ties
     (stage 1 is SnapKV's, whose tests allow such swaps).
     """
-    lengths = [160, 97, 12]
     spec = "rocketkv:budget=24,window=8,kernel=5,pooling=avg"
     cache, alone, width = generate_rows_alone(tiny_model("llama"), spec, lengths, seed=7, new_tokens=10)
+    assert [run.rows for run in sparse_part(cache.layers[0]).runs] == runs
     for row, (length, single) in enumerate(zip(lengths, alone)):
         for ours, theirs in zip(cache.layers, single.layers):
-            mine = sparse_part(ours).rows[row]
+            mine = sparse_part(ours).row(row)
             if theirs.parts:
-                assert mine.split == sparse_part(theirs).rows[0].split
-                assert torch.equal(mine.positions - (width - length), sparse_part(theirs).rows[0].positions)
+                assert mine.split == sparse_part(theirs).row(0).split
+                assert torch.equal(mine.positions - (width - length), sparse_part(theirs).row(0).positions)
             else:  # alone, a prompt under the budget stays dense and is read whole; in the batch, exactly
                 assert mine.exact and torch.equal(mine.positions - (width - length), theirs.store.positions[0, :, :12])
 
@@ -237,7 +239,7 @@ def test_composition_follows_the_stage_rules():
     cache = kvopt.cache("snapkv:ratio=0.5,window=8+rocketkv:budget=24,window=8", model)
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    assert len(sparse_part(cache.layers[0]).rows[0]) == capacity_for(100, 24)
+    assert len(sparse_part(cache.layers[0]).row(0)) == capacity_for(100, 24)
 
 
 # -- quantized rows (rocketkv+tokenquant) ------------------------------------------------------------------------
@@ -308,15 +310,16 @@ def test_rocketkv_with_tokenquant_holds_its_estimate_and_fewer_bytes(bits):
     # fp32 vectors (8 bytes per element pair) -> bits/8 per element plus fp16 ranges; fp32 -> fp16 summaries
     assert caches[quantized].nbytes() < (0.3 if bits == 4 else 0.25) * caches[plain].nbytes()
     for layer in caches[quantized].layers:
-        (row,) = sparse_part(layer).rows
+        row = sparse_part(layer).row(0)
         assert row.key_bounds.dtype == torch.float16 and row.keys.groups.bits == bits
 
 
 def test_rocketkv_with_tokenquant_generates_batches_as_alone_and_quantizes_decoded_tokens():
-    lengths = [160, 97]
+    lengths = [160, 97, 97]
     spec = "rocketkv:budget=24,window=8,kernel=5,pooling=avg+tokenquant:bits=4,group=16,residual=16"
     model = tiny_model("llama")
     cache, alone, _ = generate_rows_alone(model, spec, lengths, seed=7, new_tokens=24)
+    assert [run.rows for run in sparse_part(cache.layers[0]).runs] == [1, 2]  # quantized runs too
     from kvopt.cache.quantized import QuantizedKV
 
     for single in alone:  # 23 decoded tokens: one group of 16 has left the residual

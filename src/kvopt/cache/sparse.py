@@ -18,6 +18,8 @@ chunk to correct the softmax for).
 
 Each batch row keeps its own tokens and its own split (``chunk``, ``channels``, ``topk`` follow
 its prompt length), so a sequence attends the same in a batch as alone; padding is never stored.
+Consecutive rows with as many tokens and the same split are stored as one run whose heads are the
+rows' KV heads, so a step costs one set of operations per layer for the run, not one per row.
 The part is immutable, like the ragged one: tokens arriving later go to the layer's dense store,
 and the two attention results merge exactly through their log-sum-exp.
 
@@ -78,6 +80,9 @@ class PlainVectors:
         heads, _, dim = self.tensor.shape
         return self.tensor.reshape(-1, dim).index_select(0, slots).view(heads, -1, dim)
 
+    def heads(self, start: int, stop: int) -> PlainVectors:
+        return PlainVectors(self.tensor[start:stop])
+
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
@@ -106,6 +111,11 @@ class QuantizedVectors:
                   for t in (self.groups.codes, self.groups.scale, self.groups.zero))  # fmt: skip
         part = quant.QuantizedGroups(*picked, self.groups.bits, self.groups.dim)
         return quant.dequantize(part).view(heads, -1, dim)
+
+    def heads(self, start: int, stop: int) -> QuantizedVectors:
+        picked = (t[start:stop] for t in (self.groups.codes, self.groups.scale, self.groups.zero))
+        return QuantizedVectors(quant.QuantizedGroups(*picked, self.groups.bits, self.groups.dim),
+                                torch.Size((stop - start, *self.shape[1:])))  # fmt: skip
 
     def nbytes(self) -> int:
         return self.groups.nbytes()
@@ -144,6 +154,12 @@ class SparseRow:
 
     def __len__(self) -> int:
         return self.positions.shape[1]
+
+    def heads(self, start: int, stop: int) -> SparseRow:
+        """The KV heads ``start:stop`` (views, no copies)."""
+        bounds = None if self.key_bounds is None else self.key_bounds[start:stop]
+        return SparseRow(self.keys.heads(start, stop), self.values.heads(start, stop), self.positions[start:stop],
+                         self.split, bounds)  # fmt: skip
 
     @property
     def chunks(self) -> int:
@@ -228,37 +244,72 @@ def chunk_bounds(keys: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 @dataclass
+class SparseRun:
+    """Consecutive batch rows holding as many tokens with the same split, stored as one :class:`SparseRow` whose
+    heads are the rows' KV heads one row after another: a decode step searches and attends for all of them in
+    one pass (a row's query heads map onto its own KV heads, as GQA groups do)."""
+
+    rows: int
+    tokens: SparseRow
+
+    def attend(self, query: torch.Tensor, scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query [rows, H_q, q, D]`` -> ``(output [rows, H_q, q, D], lse [rows, H_q, q])``."""
+        rows, heads, length, dim = query.shape
+        output, lse = self.tokens.attend(query.reshape(1, rows * heads, length, dim), scaling, softcap)
+        return output.view(rows, heads, length, dim), lse.view(rows, heads, length)
+
+
+@dataclass
 class SparseKV:
     """A :class:`~kvopt.cache.part.KVPart`: per batch row, tokens read through hybrid sparse attention."""
 
     kind = "sparse-attention tokens (rocketkv)"
     read_order = 0
 
-    rows: list[SparseRow]
+    runs: list[SparseRun]
 
     @classmethod
     def gather(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                splits: list[SparseSplit], quantizer: Quantizer | None = None) -> SparseKV:  # fmt: skip
         """The valid tokens of dense ``[B, H, T, ...]`` tensors, each row with its split (every KV head of a
         row holds as many valid tokens), quantized per token when a ``quantizer`` is given."""
-        kept = []
-        for row, split in enumerate(splits):
-            slots = valid[row].nonzero()[:, 1].reshape(keys.shape[1], -1)  # [H, kept], sorted per head
-            tokens = rows(keys[row], slots), rows(values[row], slots), positions[row].gather(1, slots)
-            kept.append(SparseRow.build(*tokens, split, quantizer))
-        return cls(kept)
+        counts = valid[:, 0].sum(dim=-1).tolist()
+        runs, first = [], 0
+        for row in range(1, len(splits) + 1):  # rows first..row-1 share a count and a split
+            if row < len(splits) and (counts[row], splits[row]) == (counts[first], splits[first]):
+                continue
+            tokens = []
+            for index in range(first, row):
+                slots = valid[index].nonzero()[:, 1].reshape(keys.shape[1], -1)  # [H, kept], sorted per head
+                tokens.append((rows(keys[index], slots), rows(values[index], slots), positions[index].gather(1, slots)))
+            stacked = (torch.cat(parts) for parts in zip(*tokens))  # the run's rows' heads one after another
+            runs.append(SparseRun(row - first, SparseRow.build(*stacked, splits[first], quantizer)))
+            first = row
+        return cls(runs)
+
+    def row(self, index: int) -> SparseRow:
+        """Batch row ``index``'s tokens (views into its run)."""
+        for run in self.runs:
+            if index < run.rows:
+                heads = run.tokens.keys.shape[0] // run.rows
+                return run.tokens.heads(index * heads, (index + 1) * heads)
+            index -= run.rows
+        raise IndexError(f"no batch row {index}")
 
     def nbytes(self) -> int:
-        return sum(row.nbytes() for row in self.rows)
+        return sum(run.tokens.nbytes() for run in self.runs)
 
     def valid_counts(self) -> torch.Tensor:
-        return torch.tensor([len(row) for row in self.rows], dtype=torch.long)
+        return torch.tensor([len(run.tokens) for run in self.runs for _ in range(run.rows)], dtype=torch.long)
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, row by row (each with its own split)."""
-        parts = [row.attend(query[index : index + 1], scaling, softcap) for index, row in enumerate(self.rows)]
+        """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, run by run (each with its own split)."""
+        parts, first = [], 0
+        for run in self.runs:
+            parts.append(run.attend(query[first : first + run.rows], scaling, softcap))
+            first += run.rows
         if len(parts) == 1:
             return parts[0]
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
