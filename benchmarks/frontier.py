@@ -13,7 +13,8 @@ Steps (one torch thread each; timings interleaved method by method within a repe
   rows in 4 bits, ``+tokenquant:bits=4``), and ``snapkv`` keeping the bytes each unquantized rocketkv budget
   stores (summaries included); one recorded prefill replayed.
 * ``decode-batch``: the same with ``--batch`` different 8k prompts decoded together (tok/s of the whole batch): the
-  weights are read once per step for all rows while each row reads its own KV.
+  weights are read once per step for all rows while each row reads its own KV (each batch size's rows are kept:
+  ``--steps decode-batch --batch 8`` adds to the rows of 4).
 * ``decode-qwen``: the same at 16k tokens on Qwen2.5-Coder-0.5B (32k positions), where installed.
 * ``profile``: where a decode step's time goes at 8k: kvopt's attention calls against the rest (linears, norms,
   the LM head), for ``full`` and ``rocketkv``; and rocketkv's stage 2 on one layer: the approximate search, the
