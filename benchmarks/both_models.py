@@ -35,7 +35,7 @@ def rows(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def agnostic_scores(folder: Path, mode: str = "query_agnostic") -> dict[str, list[dict]]:
+def scored_rows(folder: Path, mode: str = "query_agnostic") -> dict[str, list[dict]]:
     """Scored task rows of ``mode`` (query-agnostic unless told) per method spec."""
     found: dict[str, list[dict]] = {}
     for row in rows(folder, EVAL):
@@ -64,7 +64,7 @@ def best_of_presses(scores: dict[str, list[dict]], ratio: float) -> tuple[str, R
 
 def kvzip_vs_presses(ratio: float) -> Callable[[Path], Finding]:
     def measure(folder: Path) -> Finding:
-        scores = agnostic_scores(folder)
+        scores = scored_rows(folder)
         ours = retention(scores.get(f"kvzip:ratio={ratio}", []), scores.get("full", []))
         press = best_of_presses(scores, ratio) if "full" in scores else None
         if ours is None or press is None:
@@ -82,7 +82,7 @@ def snapkv_query_aware(ratio: float) -> Callable[[Path], Finding]:
     read as keeping at least 80% of full's answers."""
 
     def measure(folder: Path) -> Finding:
-        scores = agnostic_scores(folder, "query_aware")
+        scores = scored_rows(folder, "query_aware")
         ours = retention(scores.get(f"snapkv:ratio={ratio}", []), scores.get("full", []))
         if ours is None:
             return Finding("not measured", None)
@@ -110,7 +110,7 @@ def kivi_vs_quanto(bits: int) -> Callable[[Path], Finding]:
     kivi, quanto = (parse_contender(spec).spec for spec in (f"kivi:bits={bits}", f"hf-quanto:bits={bits}"))
 
     def measure(folder: Path) -> Finding:
-        scores = agnostic_scores(folder)
+        scores = scored_rows(folder)
         ours = retention(scores.get(kivi, []), scores.get("full", []))
         theirs = retention(scores.get(quanto, []), scores.get("full", []))
         speeds: dict[tuple[int, str], list[float]] = {}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import groupby
 
 import torch
 
@@ -274,17 +275,14 @@ class SparseKV:
         """The valid tokens of dense ``[B, H, T, ...]`` tensors, each row with its split (every KV head of a
         row holds as many valid tokens), quantized per token when a ``quantizer`` is given."""
         counts = valid[:, 0].sum(dim=-1).tolist()
-        runs, first = [], 0
-        for row in range(1, len(splits) + 1):  # rows first..row-1 share a count and a split
-            if row < len(splits) and (counts[row], splits[row]) == (counts[first], splits[first]):
-                continue
+        runs = []
+        for (_, split), members in groupby(range(len(splits)), key=lambda row: (counts[row], splits[row])):
             tokens = []
-            for index in range(first, row):
-                slots = valid[index].nonzero()[:, 1].reshape(keys.shape[1], -1)  # [H, kept], sorted per head
-                tokens.append((rows(keys[index], slots), rows(values[index], slots), positions[index].gather(1, slots)))
+            for row in members:
+                slots = valid[row].nonzero()[:, 1].reshape(keys.shape[1], -1)  # [H, kept], sorted per head
+                tokens.append((rows(keys[row], slots), rows(values[row], slots), positions[row].gather(1, slots)))
             stacked = (torch.cat(parts) for parts in zip(*tokens))  # the run's rows' heads one after another
-            runs.append(SparseRun(row - first, SparseRow.build(*stacked, splits[first], quantizer)))
-            first = row
+            runs.append(SparseRun(len(tokens), SparseRow.build(*stacked, split, quantizer)))
         return cls(runs)
 
     def row(self, index: int) -> SparseRow:

@@ -150,7 +150,7 @@ class RocketKV(SnapKV):
         min/max key summaries per chunk (fp16 when quantized)."""
         split = self.split(kept_tokens, model.head_dim)
         heads, dim = model.num_kv_heads, model.head_dim
-        quantizer = adopted_quantizer(layer.methods) if split.skips_tokens_of(kept_tokens) else None
+        quantizer = self.rows_quantizer(kept_tokens, model, layer)
         if quantizer is None:
             stored = dense_bytes(kept_tokens, heads, dim, element_bytes, evicted=True)
         else:
@@ -163,8 +163,13 @@ class RocketKV(SnapKV):
 
     def stores_quantized(self, quantizer, kept_tokens: int, model, layer) -> bool:
         """The kept tokens of a layer stage 2 reads sparsely are quantized here, in tokenquant's per-token layout."""
-        split = self.split(kept_tokens, model.head_dim)
-        return quantizer.name in ADOPTS["sparse"] and split.skips_tokens_of(kept_tokens)
+        return quantizer.name in ADOPTS["sparse"] and self.rows_quantizer(kept_tokens, model, layer) is not None
+
+    def rows_quantizer(self, kept_tokens: int, model, layer) -> Quantizer | None:
+        """How a layer's sparse rows quantize its ``kept_tokens``: the following quantizer's settings where stage
+        2 reads the layer sparsely, None where its tokens stay dense (read whole) or no quantizer follows."""
+        read_sparsely = self.split(kept_tokens, model.head_dim).skips_tokens_of(kept_tokens)
+        return adopted_quantizer(layer.methods) if read_sparsely else None
 
 
 def adopted_quantizer(methods) -> Quantizer | None:
