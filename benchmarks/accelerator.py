@@ -17,6 +17,11 @@ before every clock read):
   ``snapkv`` holding the bytes each stores (#16's bar: 2x ``full``), as ``frontier.py``'s ``decode`` step.
 * ``prefill``: prefill seconds at 4k and 8k for ``full``, ``fastkv`` and ``snapkv`` (``frontier.py``'s).
 * ``cost``: the query-agnostic methods' prefill seconds at 2k and 4k (``frontier.py``'s ``cost``).
+* ``batch``: ``--batch`` different 8k prompts decoded together (``frontier.py``'s ``decode-batch``): the rows'
+  KV, not the weights, is then what a step mostly reads.
+* ``ops``: what one decode step costs each contender of ``twobit`` and ``rocket``: wall time, tensor operations
+  dispatched (each at least one kernel launch), and on CUDA the kernels launched and the time the GPU was busy;
+  a step whose wall time is far above its busy time is bound by launches, not by the bytes it reads.
 
 Rows: ``benchmarks/results/accelerator.jsonl`` (one file, rewritten step by step); :func:`render` writes
 the BENCHMARKS.md section.
@@ -25,12 +30,14 @@ the BENCHMARKS.md section.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import frontier
 import twobit
@@ -38,12 +45,19 @@ import twobit
 ROWS = Path(__file__).parent / "results" / "accelerator.jsonl"
 MODEL = frontier.MODEL
 TWOBIT = ["full", *twobit.DECODE_METHODS]
-STEPS = "twobit,rocket,prefill,cost"
+STEPS = "twobit,rocket,prefill,cost,batch,ops"
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @torch.inference_mode()
@@ -62,16 +76,59 @@ def timed_prefills(model, tokenizer, specs: list[str], lengths: list[int], repea
         for repeat in range(repeats):
             for spec in specs:
                 cache = build_cache(spec, model)
-                synchronize(device)
+                frontier.synchronize(device)
                 began = time.perf_counter()
                 if own_prefill:
                     cache.prefill(model, torch.tensor([ids], device=device), tokenizer=tokenizer)
                 else:
                     forward(model, ids, cache, 0)
-                synchronize(device)
+                frontier.synchronize(device)
                 rows.append({"method": spec, "length": length, "repeat": repeat,
                              "prefill_s": round(time.perf_counter() - began, 4), "kv_bytes": cache.nbytes()})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> list[dict]:
+    """Per contender after a ``length``-token prompt: wall ms per decode step (``steps`` timed), tensor operations
+    dispatched in one step, and on CUDA the kernels and GPU-busy ms per step (from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvopt.api import build_cache
+    from kvopt.eval.decoding import forward, shared_prefill
+
+    device, ids = model.device, frontier.prompt_ids(tokenizer, length - 2 * steps - 8)
+    shared, rows = shared_prefill(model, ids), []
+    for spec in specs:
+        cache = build_cache(spec, model)
+        cache.replay_prefill(shared.cache)
+        token, position = int(shared.logits.argmax()), len(ids)
+
+        def decode(count: int) -> None:
+            nonlocal token, position
+            for _ in range(count):
+                token, position = int(forward(model, [token], cache, position).argmax()), position + 1
+
+        decode(2)  # warm-up
+        counter = OpCounter()
+        with counter:
+            decode(1)
+        frontier.synchronize(device)
+        began = time.perf_counter()
+        decode(steps)
+        frontier.synchronize(device)
+        row = {"method": spec, "length": length, "steps": steps, "ops_per_step": sum(counter.ops.values()),
+               "top_ops": counter.ops.most_common(8),
+               "wall_ms_per_step": round((time.perf_counter() - began) * 1e3 / steps, 3)}  # fmt: skip
+        if device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+                decode(steps)
+            kernels = [e for e in profiled.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            row["kernels_per_step"] = round(sum(e.count for e in kernels) / steps, 1)
+            row["busy_ms_per_step"] = round(sum(e.self_device_time_total for e in kernels) / 1e3 / steps, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -87,6 +144,13 @@ def run_step(step: str, model, tokenizer, args) -> list[dict]:
     if step == "cost":
         specs, lengths = frontier.AGNOSTIC_COST, frontier.AGNOSTIC_COST_LENGTHS
         return timed_prefills(model, tokenizer, specs, lengths, args.repeats, True)
+    if step == "batch":
+        return frontier.measure_batch_decode(model, tokenizer, args.repeats, args.new_tokens, args.batch)
+    if step == "ops":
+        from kvopt.models.info import ModelInfo
+
+        specs = [*TWOBIT, *frontier.decode_methods(ModelInfo.from_config(model.config), args.length)[1:]]
+        return step_costs(model, tokenizer, specs, args.length, args.ops_steps)
     raise SystemExit(f"unknown step {step!r}; choose from {STEPS}")
 
 
@@ -107,19 +171,43 @@ def render(rows: list[dict]) -> str:
         "",
         f"`python benchmarks/accelerator.py --device cuda` (rows: `benchmarks/results/accelerator.jsonl`), {MODEL} "
         f"(fp32), {first['device']}, torch {first['torch']}, transformers {first['transformers']}, {first['date']}; "
-        "batch 1, eager attention through kvopt's caches, the GPU synchronized before each clock read; "
+        "batch 1 unless a table says otherwise, eager attention through kvopt's caches, the GPU synchronized before each clock read; "
         "interleaved repeats, medians. The same code and prompts as the CPU sections above; on the CPU a decode "
         "step is bound by the weights and by arithmetic, here by kernel launches and memory traffic.",
         "",
     ]
+    batch = by_step.get("batch", [{}])[0].get("batch")
     for title, step, key, base in (
         ("Decode, 2-bit caches", "twobit", "decode_tok_s", "kivi:bits=2"),
         ("Decode, RocketKV vs SnapKV at equal stored bytes", "rocket", "decode_tok_s", "full"),
+        (f"Decode, {batch} different prompts together (tok/s over all rows)", "batch", "decode_tok_s", "full"),
     ):
         lines += _speed_table(title, by_step.get(step, []), key, base)
+    lines += _ops_table(by_step.get("ops", []))
     for title, step in (("Prefill, FastKV vs SnapKV", "prefill"), ("Prefill, query-agnostic methods", "cost")):
         lines += _prefill_table(title, by_step.get(step, []))
     return "\n".join(lines) + "\n"
+
+
+def _ops_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    first = rows[0]
+    lines = [
+        f"### What a decode step costs (after {first['length']} tokens, {first['steps']} steps)", "",
+        "Wall time per step against the time the GPU was busy in it (the profiler's kernel time): where the wall "
+        "time is several times the busy time, the step waits on the host launching kernels, not on the bytes it "
+        "reads. Operations: tensor operations dispatched in one step (each at least one kernel).", "",
+        "| method | wall ms/step | GPU busy ms/step | kernels/step | operations/step | most frequent operations |",
+        "|---|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for row in rows:
+        top = ", ".join(f"{name} {count}" for name, count in row["top_ops"][:5])
+        busy, kernels = row.get("busy_ms_per_step", "-"), row.get("kernels_per_step", "-")
+        lines.append(f"| `{row['method']}` | {row['wall_ms_per_step']:.1f} | {busy} | {kernels} | "
+                     f"{row['ops_per_step']} | {top} |")  # fmt: skip
+    stopped = first.get("stopped")
+    return [*lines, "", *([f"Stopped: {stopped}.", ""] if stopped else [])]
 
 
 def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]:
@@ -164,6 +252,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=frontier.DECODE_LENGTH, help="prompt tokens before decoding")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="prompts decoded together (batch step)")
+    parser.add_argument("--ops-steps", type=int, default=16, help="decode steps timed and profiled (ops step)")
     args = parser.parse_args()
     device = torch.device(args.device)
     model, tokenizer = kvopt.load_model(device=device)

@@ -107,6 +107,12 @@ def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
     return (ids * ((length + offset) // len(ids) + 1))[offset : offset + length]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for an accelerator's queued work (a clock read before it would time the launches only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def stamp(rows: list[dict], step: str) -> list[dict]:
     extra = {"step": step, "model": MODEL, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d"),
              "machine": platform.processor() or platform.machine()}  # fmt: skip
@@ -186,22 +192,25 @@ def measure_batch_decode(model, tokenizer, repeats: int, new_tokens: int, batch:
     from kvopt.models.forward import cache_kwargs
     from kvopt.models.info import ModelInfo
 
-    length = DECODE_LENGTH - new_tokens - 8
-    ids = torch.tensor([prompt_ids(tokenizer, length, offset=row * 1009) for row in range(batch)])
-    positions = torch.arange(length)[None].expand(batch, -1)
+    length, device = DECODE_LENGTH - new_tokens - 8, model.device
+    ids = torch.tensor([prompt_ids(tokenizer, length, offset=row * 1009) for row in range(batch)], device=device)
+    positions = torch.arange(length, device=device)[None].expand(batch, -1)
     recorded, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
     rows = []
     for repeat in range(repeats):
         for spec in decode_methods(ModelInfo.from_config(model.config)):
             cache = build_cache(spec, model)
             cache.replay_prefill(recorded)
-            tokens, seconds = output.logits[:, -1].argmax(-1, keepdim=True), 0.0
+            tokens = output.logits[:, -1].argmax(-1, keepdim=True)
             for step in range(new_tokens):
-                began = time.perf_counter()
+                if step == 1:  # the first step warms up; an accelerator's queue is drained around the clock
+                    synchronize(device)
+                    began = time.perf_counter()
                 logits = model(input_ids=tokens, **cache_kwargs(model, cache), use_cache=True,
                                position_ids=positions[:, :1] + length + step, logits_to_keep=1).logits  # fmt: skip
                 tokens = logits[:, -1].argmax(-1, keepdim=True)
-                seconds += (time.perf_counter() - began) if step else 0.0  # the first step warms up
+            synchronize(device)
+            seconds = time.perf_counter() - began
             rows.append({"method": spec, "length": DECODE_LENGTH, "repeat": repeat, "new_tokens": new_tokens,
                          "batch": batch, "decode_tok_s": round(batch * (new_tokens - 1) / seconds, 3),
                          "kv_bytes": cache.nbytes(), "model": MODEL})  # fmt: skip

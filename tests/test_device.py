@@ -81,7 +81,7 @@ def calibrated(spec: str, model) -> list:
     """``spec``'s methods with their per-model state fitted on random ids on the model's device (tiny models
     have no tokenizer): the same ids on every device, so the CPU and accelerator runs start from one calibration."""
     methods = parse(spec)
-    ids = torch.randint(3, VOCAB, (1, 256), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, VOCAB, (1, 256), generator=torch.Generator().manual_seed(0), device="cpu")
     for method in methods:
         if hasattr(method, "fit"):
             method.fit(model, ids[:, : method.calibration].to(model.device))

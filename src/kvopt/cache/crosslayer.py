@@ -110,7 +110,7 @@ class LayerPredictor:
 def fit_affine(inputs: torch.Tensor, targets: torch.Tensor, ridge: float) -> torch.Tensor:
     """Least-squares ``[inputs, 1] @ W ~ targets`` (``[N, I]``, ``[N, O]``) with a ridge of ``ridge`` times the
     mean diagonal of the normal matrix (a scale-free regularizer; the bias is not penalized): ``W [I + 1, O]``."""
-    design = torch.cat([inputs, torch.ones(len(inputs), 1, dtype=inputs.dtype)], dim=1).double()
+    design = torch.cat([inputs, torch.ones(len(inputs), 1, dtype=inputs.dtype, device=inputs.device)], dim=1).double()
     normal = design.T @ design
     penalty = ridge * normal.diagonal()[:-1].mean()
     normal[range(len(normal) - 1), range(len(normal) - 1)] += penalty

@@ -376,9 +376,11 @@ class KVLayer(SeamLayer):
         self.store = DenseKVStore()
 
     def kept_per_row(self) -> torch.Tensor:
-        """Real tokens held per batch row (on KV head 0); an empty dense store has no rows to add."""
-        counts = [count for count in (part.valid_counts() for part in (self.store, *self.parts)) if count.numel()]
-        return torch.stack(counts).sum(dim=0) if counts else self.store.valid_counts()
+        """Real tokens held per batch row (on KV head 0), on the CPU: parts keep their counts where they keep
+        their bookkeeping (device tensors for a dense store, CPU offsets for ragged segments). An empty dense
+        store has no rows to add."""
+        counts = [count.cpu() for count in (part.valid_counts() for part in (self.store, *self.parts)) if count.numel()]
+        return torch.stack(counts).sum(dim=0) if counts else self.store.valid_counts().cpu()
 
     def _forget_outside_window(self) -> None:
         """A sliding layer never reads tokens older than its window again: free them (lossless)."""

@@ -93,8 +93,8 @@ def lookup(packed: torch.Tensor, bits: int, levels: torch.Tensor, out: torch.Ten
 
 @functools.lru_cache(maxsize=256)
 def _byte_table(levels: tuple[float, ...], bits: int, device: torch.device) -> torch.Tensor:
-    fields = torch.arange(256)[:, None] >> (bits * torch.arange(8 // bits)) & ((1 << bits) - 1)
-    table = torch.tensor(levels)[fields].to(device)  # [256, 8 / bits] fp32: 16 or 8 bytes a row
+    fields = torch.arange(256, device=device)[:, None] >> (bits * torch.arange(8 // bits, device=device)) & ((1 << bits) - 1)
+    table = torch.tensor(levels, device=device)[fields]  # [256, 8 / bits] fp32: 16 or 8 bytes a row
     return table.view(torch.complex128 if bits == 2 else torch.float64).flatten()
 
 

@@ -355,7 +355,7 @@ def _first_tokens(runs: list[tuple[int, int]], count: int) -> list[tuple[int, in
     return kept
 
 
-def slots_of(runs: list[tuple[int, int]], device=None) -> torch.Tensor:
+def slots_of(runs: list[tuple[int, int]], device: torch.device | str) -> torch.Tensor:
     """The slots of ``runs``, in order, ``[tokens]`` int64."""
     return torch.cat([torch.arange(start, stop, device=device) for start, stop in runs])
 

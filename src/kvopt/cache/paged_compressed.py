@@ -71,9 +71,9 @@ class CodeFormat:
     def probe(cls, info: ModelInfo, dtype: torch.dtype, block_size: int, bits: int, group: int, key_mode: str) -> CodeFormat:
         """The layout of ``bits``-bit groups of ``group`` tokens; raises when they cannot fill blocks."""
         heads, dim = info.num_kv_heads, info.head_dim
-        zeros = torch.zeros(1, heads, group, dim, dtype=dtype)
-        positions = torch.arange(group, dtype=torch.int32).expand(1, heads, group)
-        valid = torch.ones(1, heads, group, dtype=torch.bool)
+        zeros = torch.zeros(1, heads, group, dim, dtype=dtype, device="cpu")  # a layout, wherever the pool is
+        positions = torch.arange(group, dtype=torch.int32, device="cpu").expand(1, heads, group)
+        valid = torch.ones(1, heads, group, dtype=torch.bool, device="cpu")
         part = QuantizedKV.encode(zeros, zeros, positions, valid, bits, group, key_mode)
         key_fields, value_fields = _fields(part.keys), _fields(part.values)
         capacity = block_size * dim * torch.empty((), dtype=dtype).element_size()
@@ -102,8 +102,8 @@ class CodeFormat:
 
     def locate(self, code_table: list[int], first: int, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block and record index of groups ``first ... first + count - 1`` of a sequence with ``code_table``."""
-        groups = torch.arange(first, first + count)
-        blocks = torch.tensor(code_table, dtype=torch.long)[groups // self.groups_per_block]
+        groups = torch.arange(first, first + count, device="cpu")  # from a Python table: one copy to the device
+        blocks = torch.tensor(code_table, dtype=torch.long, device="cpu")[groups // self.groups_per_block]
         return blocks.to(device), (groups % self.groups_per_block).to(device)
 
     def write(self, pool, index: int, part: QuantizedKV, where: tuple[torch.Tensor, torch.Tensor]) -> None:

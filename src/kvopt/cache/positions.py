@@ -60,7 +60,7 @@ class TokenIndex:
     def valid_counts(self) -> torch.Tensor:
         """Real tokens per batch row."""
         if self.explicit_valid is None:
-            return torch.full((self.batch,), self.length, dtype=torch.long)
+            return torch.full((self.batch,), self.length, dtype=torch.long, device=self.device)
         return self.explicit_valid[:, 0].sum(dim=-1)
 
     def span(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -52,9 +52,9 @@ def rope_inv_freq(config, layer_idx: int, head_dim: int) -> torch.Tensor:
     if rope_type == "default":
         partial = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         dim = int(head_dim * partial)
-        return 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float()
 
 
@@ -93,8 +93,8 @@ class RopeTable:
 @functools.lru_cache(maxsize=64)
 def pair_order(dim: int, pairs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Channel order ``[0, r, 1, r + 1, ..., r - 1, 2r - 1, 2r, ..., dim - 1]`` (``r = pairs``) and its inverse."""
-    rotary = torch.arange(2 * pairs).view(2, pairs).T.flatten()
-    order = torch.cat([rotary, torch.arange(2 * pairs, dim)]).to(device)
+    rotary = torch.arange(2 * pairs, device=device).view(2, pairs).T.flatten()
+    order = torch.cat([rotary, torch.arange(2 * pairs, dim, device=device)])
     return order, order.argsort()
 
 

@@ -42,8 +42,8 @@ class RaggedKV:
             parts_v.append(values[b, h, index])
             parts_p.append(positions[b, h, index])
             lengths.append(index.numel())
-        offsets = torch.zeros(len(selected) + 1, dtype=torch.long)
-        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        offsets = torch.zeros(len(selected) + 1, dtype=torch.long, device="cpu")  # read by ``tolist``: no device sync
+        offsets[1:] = torch.tensor(lengths, device="cpu").cumsum(0)
         return cls(torch.cat(parts_k), torch.cat(parts_v), torch.cat(parts_p), offsets, batch, heads)
 
     def nbytes(self) -> int:

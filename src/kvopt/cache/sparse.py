@@ -298,7 +298,8 @@ class SparseKV:
         return sum(run.tokens.nbytes() for run in self.runs)
 
     def valid_counts(self) -> torch.Tensor:
-        return torch.tensor([len(run.tokens) for run in self.runs for _ in range(run.rows)], dtype=torch.long)
+        counts = [len(run.tokens) for run in self.runs for _ in range(run.rows)]
+        return torch.tensor(counts, dtype=torch.long, device=self.runs[0].tokens.positions.device if self.runs else "cpu")
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None

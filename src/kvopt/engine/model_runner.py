@@ -69,7 +69,7 @@ class ModelRunner:
             is_prefill = seq.kv is not None and first == 0  # a compressed prompt: its tokens go to its methods
             runs = [] if is_prefill else self._runs(seq, seq.num_stored_tokens + count)
             if not is_prefill:
-                new_slots.append(slots_of(last_tokens(runs, count)))
+                new_slots.append(slots_of(last_tokens(runs, count), "cpu"))  # one copy to the device below
                 stored_rows.extend(range(row, row + count))
             sequences.append(SequenceSlots.of(row, row + count, runs, device, self._codes(seq)))
             if seq.kv is not None:

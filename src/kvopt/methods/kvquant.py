@@ -261,7 +261,7 @@ def load_or_fit(method: KVQuant, model, calibration_text: Callable[[], str]) -> 
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / method.name / f"{key}.pt"
     if path.exists():
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location=model.device)  # fitted on another device, maybe
         method.load_calibration(saved["state"])
         method.calibration_seconds = saved["seconds"]
         return

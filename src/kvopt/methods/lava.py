@@ -92,7 +92,7 @@ class LAVa(AdaKV):
             for row in range(valid.shape[0])
         ]  # fmt: skip
         for index, (layer, layer_scores) in enumerate(zip(layers, scores)):
-            layer_targets = torch.tensor([share[index] for share in shares]) + recent
+            layer_targets = torch.tensor([share[index] for share in shares], device=recent.device) + recent
             layer.to_ragged(allocate(layer_scores, layer.store.valid, layer_targets, self.window, self.alpha))
 
 

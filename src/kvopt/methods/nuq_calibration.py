@@ -86,12 +86,12 @@ def weighted_kmeans(samples: torch.Tensor, weights: torch.Tensor, count: int) ->
     Ranges are each group's min and max, so both ends are always real entries; fitting them too
     pulls them inward where the Fisher mass is, which cost retrieval on the default model (2-bit
     keys, passkey/niah at 1k: 23% of prompts right with free ends, 58% with uniform levels)."""
-    levels = torch.linspace(-1.0, 1.0, count)
+    levels = torch.linspace(-1.0, 1.0, count, device=samples.device)
     weights = weights + weights.mean() * 1e-3 + 1e-30  # every sample counts a little (zero-gradient layers)
     for _ in range(KMEANS_ITERATIONS):
         assign = nearest_level(samples, levels)
-        total = torch.zeros(count, dtype=torch.float64).index_add_(0, assign, weights.double())
-        moment = torch.zeros(count, dtype=torch.float64).index_add_(0, assign, (weights * samples).double())
+        total = torch.zeros(count, dtype=torch.float64, device=samples.device).index_add_(0, assign, weights.double())
+        moment = torch.zeros(count, dtype=torch.float64, device=samples.device).index_add_(0, assign, (weights * samples).double())
         levels = torch.where(total > 0, moment / total.clamp_min(1e-300), levels.double()).float().sort().values
         levels[0], levels[-1] = -1.0, 1.0  # the range's ends are real entries of every group: keep them exact
     return levels
@@ -101,7 +101,7 @@ def fit_keys(keys: torch.Tensor, fisher: torch.Tensor, bits: int, sparse: int, o
              group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Key levels and calibrated per-channel ranges ``(levels, center [H, D], half [H, D])`` from pre-RoPE keys
     ``[H, T, D]`` (``T`` a multiple of ``group``) and their Fisher weights."""
-    quantiles = torch.tensor([outliers / 2, 1 - outliers / 2])
+    quantiles = torch.tensor([outliers / 2, 1 - outliers / 2], dtype=keys.dtype, device=keys.device)
     low, high = torch.quantile(keys.transpose(1, 2), quantiles, dim=-1)  # each [H, D]
     center, half = (high + low) / 2, ((high - low) / 2).clamp_min(1e-6)
     provisional = LayerCodec(bits, sparse, 0, torch.empty(0), torch.empty(0), center, half)  # ranges only

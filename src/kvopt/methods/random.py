@@ -36,4 +36,4 @@ class Random(Eviction):
         index = getattr(step.module, "layer_idx", 0) or 0
         generator = torch.Generator().manual_seed(self.seed + _LAYER_STRIDE * index)
         shape = layer.store.keys.shape[:-1]  # [B, H_kv, T]
-        return torch.rand(shape, generator=generator).to(layer.store.keys.device)
+        return torch.rand(shape, generator=generator, device="cpu").to(layer.store.keys.device)  # one draw on every device

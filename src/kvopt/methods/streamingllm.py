@@ -46,13 +46,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache import prerope
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction
 
 ROLLING = ("auto", "always", "never")
-#: RoPE kinds whose frequencies depend on the current sequence length: no fixed re-rotation exists.
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 @register
@@ -154,30 +153,9 @@ def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
 
 def rope_inv_freq(module, head_dim: int) -> torch.Tensor:
     """RoPE inverse frequencies ``[rotary_dim / 2]`` of an attention module, from its model config."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = getattr(module, "config", None)
-    parameters = getattr(config, "rope_parameters", None)
-    if not parameters:
+    try:
+        return prerope.rope_inv_freq(getattr(module, "config", None), getattr(module, "layer_idx", 0), head_dim)
+    except prerope.RopeError as error:
         raise MethodParameterError(
-            "streamingllm: rolling positions need a RoPE model whose attention module exposes its config; "
-            "use streamingllm:rolling=never"
-        )
-    layer_type = None
-    if "rope_type" not in parameters and getattr(config, "layer_types", None):  # per layer type (e.g. Gemma 3)
-        layer_type = config.layer_types[module.layer_idx]
-        parameters = parameters[layer_type]
-    rope_type = parameters.get("rope_type", "default")
-    if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise MethodParameterError(
-            f"streamingllm: rolling positions cannot re-rotate {rope_type!r} RoPE (its frequencies change with "
-            "the sequence length); use streamingllm:rolling=never"
-        )
-    if rope_type == "default":
-        base = parameters["rope_theta"]
-        partial = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-        dim = int(head_dim * partial)
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
-    return inv_freq
+            f"streamingllm: rolling positions re-rotate cached keys, but {error}; use streamingllm:rolling=never"
+        ) from None

@@ -133,7 +133,7 @@ class TreeKV(Eviction):
 
     def _pointer(self, layer, batch: int) -> torch.Tensor:
         key = f"{self.name}.pointer"
-        pointer = layer.state.setdefault(key, torch.zeros(batch, dtype=torch.long))
+        pointer = layer.state.setdefault(key, torch.zeros(batch, dtype=torch.long, device=layer.store.valid.device))
         if pointer.shape[0] != batch:
             raise CacheUsageError("treekv does not support reordering the batch (beam search) yet")
         return pointer
