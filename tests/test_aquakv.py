@@ -6,7 +6,7 @@ from test_kvquant import fitted
 from tiny_models import VOCAB, tiny_model
 
 import kvopt
-from kvopt.cache import nonuniform, prerope
+from kvopt.cache import prerope, quantized
 from kvopt.cache.crosslayer import product_dtype
 from kvopt.cache.nonuniform import NonUniformKV, decode_keys, decode_values, encode_keys, encode_values
 from kvopt.errors import MethodParameterError
@@ -58,7 +58,7 @@ def test_the_chain_matches_a_slow_layer_by_layer_reference_through_decoding(monk
     kept between layers, blocks, rotation in pair order, predicted values applied to attention-weighted sums
     of keys) gives the logits of a lossless cache holding them."""
     if block_elements is not None:
-        monkeypatch.setattr(nonuniform, "BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(quantized, "BLOCK_ELEMENTS", block_elements)
     model = tiny_model("llama")
     method = fitted(SMALL, model)[0]
     given: dict[int, list] = {}  # per layer: the post-RoPE keys and values handed to the quantizer, in order

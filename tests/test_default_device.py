@@ -11,9 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch
+from test_codec_roundtrip import AFTER_SAVE, greedy, prefilled
 from test_device import COMPOSED, NOT_ON_GEMMA2, SPECS, generate
+from test_engine_tiers import PROMPT, serve
+from test_speculative import repetitive_prompt
 from tiny_models import VOCAB, tiny_model
 
+import kvopt
+from kvopt.codec import cache_bytes, cache_from_bytes
 from kvopt.engine import LLM, SamplingParams
 
 
@@ -40,3 +45,39 @@ def test_engine_makes_no_tensor_on_the_default_device(spec):
     with torch.device("meta"):
         got = LLM(model, kv_method=spec, kv_memory="4MB").generate(prompts, params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in got] == [out.outputs[0].token_ids for out in expected]
+
+
+@pytest.mark.parametrize("spec", ["full", "adakv:ratio=0.5", "kivi:bits=4", "minicache:start=0+kivi:bits=4"])
+@pytest.mark.parametrize("encoding", ["raw", "cachegen"])
+def test_saving_and_loading_a_cache_make_no_tensor_on_the_default_device(spec, encoding, tiny_with_tokenizer):
+    model, tokenizer = tiny_with_tokenizer
+    cache, following = prefilled(spec, model, tokenizer)
+    expected, _ = greedy(model, cache_from_bytes(cache_bytes(cache, model, encoding), model)[0], following, AFTER_SAVE)
+    with torch.device("meta"):
+        loaded, _ = cache_from_bytes(cache_bytes(cache, model, encoding), model)
+    assert greedy(model, loaded, following, AFTER_SAVE)[0] == expected
+
+
+def test_engine_tiers_make_no_tensor_on_the_default_device(tmp_path):
+    """Prefix blocks stored to a CPU and a disk tier by one engine and read back by a restarted one."""
+    model, tiers = tiny_model("llama"), ("cpu:1MB", f"disk:{tmp_path}:10MB")
+    expected, _ = serve(model, (f"disk:{tmp_path / 'outside'}:10MB",), PROMPT)
+    with torch.device("meta"):
+        cold, first = serve(model, tiers, PROMPT)
+        warm, second = serve(model, tiers, PROMPT)
+    assert cold == warm == expected and first["cached"] == 0 and second["cached"] == 96
+
+
+@pytest.mark.parametrize("speculate", ["prompt_lookup:k=4", "self:layers=1,k=3", "draft"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_makes_no_tensor_on_the_default_device(speculate, temperature):
+    model = tiny_model("llama")
+    if speculate == "draft":
+        from kvopt.speculative.draft_model import DraftModel
+
+        speculate = DraftModel(tiny_model("llama", seed=1), k=3)
+    ids, options = repetitive_prompt()[0].tolist(), dict(max_new_tokens=12, temperature=temperature, seed=5, adaptive=False)
+    expected = kvopt.generate(model, ids, cache="kivi:bits=4", speculate=speculate, **options).tokens
+    with torch.device("meta"):
+        got = kvopt.generate(model, ids, cache="kivi:bits=4", speculate=speculate, **options).tokens
+    assert got == expected

@@ -147,6 +147,23 @@ def test_engine_equals_hf_generate_on_the_accelerator(arch):
     assert [out.outputs[0].token_ids for out in outputs] == expected
 
 
+def test_seeded_sampling_draws_the_same_tokens_on_the_accelerator():
+    """Seeded requests (engine) and seeded speculative sampling draw from CPU generators: the same tokens as on
+    the CPU, where a generator of one device handed logits of another would fail."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() for n in (7, 30)]
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    runs = {}
+    for device in ("cpu", DEVICE):
+        llm = LLM(copy.deepcopy(model).to(device), kv_memory="4MB")
+        engine = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        speculative = kvopt.generate(copy.deepcopy(model).to(device), prompts[1] * 2, speculate="prompt_lookup:k=3",
+                                     max_new_tokens=10, temperature=1.0, seed=3, adaptive=False).tokens  # fmt: skip
+        runs[device] = engine, speculative
+    assert runs["cpu"] == runs[DEVICE]
+
+
 @pytest.mark.real_model
 def test_default_model_full_equals_dynamic_cache_on_the_accelerator():
     """The embedded model on the accelerator: ``full`` gives HF's greedy tokens and logits over a real prompt."""

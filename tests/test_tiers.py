@@ -27,13 +27,30 @@ def test_disk_tier_enforces_its_limit_on_disk_and_survives_a_restart(tmp_path):
     assert tier.disk_bytes() <= 10_000 and tier.stats.evictions == 90
     kept = [f"{index:04x}" * 4 for index in range(90, 100)]
     (tmp_path / "ab").mkdir(exist_ok=True)
-    (tmp_path / "ab" / "leftover.kvb.123.tmp").write_bytes(b"half a write")  # a write interrupted by a crash
+    (tmp_path / "ab" / "00ab00ab.kvb.123.456.tmp").write_bytes(b"half a write")  # a write interrupted by a crash
     again = DiskTier(tmp_path, max_bytes=10_000)  # a restarted process: the index is rebuilt from the folder
     assert all(again.contains(key) for key in kept) and again.stats.bytes_stored == 10_000
-    assert not (tmp_path / "ab" / "leftover.kvb.123.tmp").exists()
+    assert not (tmp_path / "ab" / "00ab00ab.kvb.123.456.tmp").exists()
     assert again.get(kept[0]) is not None
     again.drop(kept[1])
     assert not again.contains(kept[1]) and again.get(kept[1]) is None and again.disk_bytes() == 9_000
+
+
+def test_disk_tier_in_a_folder_holding_other_data_leaves_that_data_alone(tmp_path):
+    """A tier pointed at a folder with other content (a home directory, a shared cache) indexes and deletes only
+    its own files: ``xy/<key ending in xy>.kvb`` and its temporary files."""
+    foreign = {"docs/notes.txt": b"notes", "ab/readme.tmp": b"keep", "ab/other.kvb": b"not ours", "abc/1fab.kvb": b"3"}
+    for name, data in foreign.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "ab" / "nested").mkdir()  # a folder where the tier's files would be
+    tier = DiskTier(tmp_path, max_bytes=2_000)
+    assert tier.stats.bytes_stored == 0 and tier.disk_bytes() == 0
+    for index in range(6):  # past the limit: evictions delete only the tier's own entries
+        tier.put(f"{index:04x}" * 4, os.urandom(500))
+    again = DiskTier(tmp_path, max_bytes=2_000)
+    assert again.stats.bytes_stored == again.disk_bytes() == 2_000
+    assert all((tmp_path / name).read_bytes() == data for name, data in foreign.items())
 
 
 def test_disk_tier_that_cannot_write_counts_an_error_and_raises_nothing(tmp_path, monkeypatch):

@@ -20,8 +20,8 @@ real tokens of each row stay at full precision (section 3.5, attention sinks) in
 With cross-layer predictors (AQUA-KV, :mod:`kvopt.cache.crosslayer`) the same codes hold the
 residual of each key and value from its prediction (:class:`NonUniformKV`).
 
-Attention never rebuilds the cache: blocks of ``BLOCK_ELEMENTS`` are dequantized (2 and 4 bits:
-one gather per byte) into reused workspace buffers, rotated, attended with the log-sum-exp kept,
+Attention never rebuilds the cache: blocks (:func:`~kvopt.cache.quantized.block_elements`) are dequantized
+(2 and 4 bits: one gather per byte) into reused workspace buffers, rotated, attended with the log-sum-exp kept,
 and merged exactly, as :class:`~kvopt.cache.quantized.QuantizedKV` does.
 """
 
@@ -37,7 +37,7 @@ from kvopt.cache.attention import attention_with_lse, attention_with_shared_sums
 from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quant import workspace
-from kvopt.cache.quantized import BLOCK_ELEMENTS
+from kvopt.cache.quantized import block_elements
 
 #: Bits of a non-uniform code.
 NUQ_BITS = (2, 3, 4)
@@ -469,7 +469,7 @@ class NonUniformKV:
         batch, heads = self.values.codes.shape[:2]
         group = self.keys.group
         per_token = batch * max(heads * query.shape[-1], query.shape[1] * query.shape[2])  # keys, or weights
-        step = max(BLOCK_ELEMENTS // per_token // group, 1) * group
+        step = max(block_elements(query.device) // per_token // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
         source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None

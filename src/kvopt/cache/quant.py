@@ -87,7 +87,7 @@ def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.dev
     Decode dequantizes the same amount of data at every step of every layer: writing it into
     memory the process already holds avoids fresh multi-megabyte allocations, whose page faults
     cost about as much as the arithmetic. The buffer grows to the largest request and stays
-    (for attention: one block, bounded by ``quantized.BLOCK_ELEMENTS``, not by the context).
+    (for attention: one block, bounded by ``quantized.block_elements``, not by the context).
     """
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
     # Tensors made under inference mode cannot be written outside it: one buffer per mode.

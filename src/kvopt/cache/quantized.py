@@ -33,9 +33,19 @@ from kvopt.cache.positions import TokenIndex
 #: 0.52 ms with 4,096-token blocks (this size: 3 MB of fp32 keys) vs 0.54-0.65 ms (2,048) and
 #: 0.67 ms (1,024).
 BLOCK_ELEMENTS = 4096 * 3 * 64
+#: The same bound on an accelerator, where every tensor operation is a kernel launch that costs more than
+#: dequantizing megabytes: an H200 decoding the default model after 8k tokens was busy 11.8 of the 66.8 ms
+#: a `kivi:bits=2` step took (BENCHMARKS.md, "On a GPU"), so there a block is as large as memory allows
+#: (256 MB of fp32 keys: one block per layer for any context of the default model below 340k tokens).
+ACCELERATOR_BLOCK_ELEMENTS = 64 * 2**20
 KEY_MODES = ("channel", "token")
 #: The axis of the tokens within a group, along which codes are packed.
 PACK_AXIS = 3
+
+
+def block_elements(device: torch.device) -> int:
+    """Elements of keys (and of values) attention dequantizes at once on ``device``."""
+    return BLOCK_ELEMENTS if device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
 
 
 def _per_token_groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -132,7 +142,7 @@ class QuantizedKV:
         parts = []
         batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
         per_token = batch * heads * channel_groups * channels
-        step = max(BLOCK_ELEMENTS // per_token // self.group, 1) * self.group
+        step = max(block_elements(query.device) // per_token // self.group, 1) * self.group
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         # Autograd keeps each block's keys for the backward pass: then blocks get their own memory.

@@ -14,13 +14,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     else shares the batch.
     """
     tokens = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if params.greedy:
-            continue
-        probs = _filtered_probs(logits[row], params.temperature, params.top_k, params.top_p)
-        generator = seq.generator or default_generator
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
+    sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+    # The generators are the CPU's (a seeded request draws the same tokens on every device): one copy there.
+    host = logits[sampled].cpu() if sampled else None
+    for index, row in enumerate(sampled):
+        params = seqs[row].params
+        probs = _filtered_probs(host[index], params.temperature, params.top_k, params.top_p)
+        tokens[row] = int(torch.multinomial(probs, 1, generator=seqs[row].generator or default_generator))
     return tokens
 
 

@@ -83,7 +83,7 @@ def generate(
     """
     from kvopt.api import build_cache
 
-    ids = torch.as_tensor(input_ids).reshape(1, -1) if not torch.is_tensor(input_ids) else input_ids
+    ids = torch.as_tensor(input_ids, device="cpu").reshape(1, -1) if not torch.is_tensor(input_ids) else input_ids
     if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
         raise KVOptError(f"kvopt.generate takes one non-empty prompt ([1, n] ids), got shape {tuple(ids.shape)}")
     if max_new_tokens < 1:

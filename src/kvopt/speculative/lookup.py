@@ -32,7 +32,7 @@ class PromptLookup:
         """Nothing to set up: the drafts come from the token ids alone."""
 
     def propose(self, tokens: list[int], count: int) -> tuple[list[int], None]:
-        ids = torch.tensor(tokens)
+        ids = torch.tensor(tokens, device="cpu")
         for size in range(min(self.ngram, len(tokens) - 1), 0, -1):
             windows = ids[:-1].unfold(0, size, 1)  # every n-gram that has a token after it
             matches = (windows == ids[-size:]).all(dim=1).nonzero()

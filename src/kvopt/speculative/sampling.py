@@ -59,4 +59,4 @@ class Sampler:
         """One token from ``probs [vocab]`` (its argmax when greedy)."""
         if self.greedy:
             return int(probs.argmax())
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))  # the CPU generator: same draws on every device

@@ -29,7 +29,7 @@ def verify(
             continue
         q = draft_probs[index] if draft_probs is not None else None
         q_token = 1.0 if q is None else float(q[token])
-        chance = torch.rand((), generator=sampler.generator)
+        chance = torch.rand((), generator=sampler.generator, device="cpu")
         if q_token > 0 and float(chance) < min(1.0, float(p[token]) / q_token):
             continue
         return index, sampler.draw(residual(p, q, token))

@@ -34,15 +34,23 @@ class DiskTier:
     def _file(self, key: str) -> Path:
         return self.path / key[-2:] / f"{key}{SUFFIX}"  # keys end in hash digits: even fan-out
 
+    def _own_files(self) -> list[Path]:
+        """The tier's files (entries and temporary files) under its folder: ``xy/<key ending in xy>...``. Anything
+        else the folder holds (it may be shared with other data) is not the tier's, never indexed nor deleted."""
+        return [
+            file for file in self.path.glob("*/*")
+            if len(file.parent.name) == 2 and file.name.split(".")[0].endswith(file.parent.name) and file.is_file()
+        ]  # fmt: skip
+
     def _rebuild_index(self) -> None:
         """Index what an earlier process left, oldest first; leftovers of interrupted writes are deleted."""
         found = []
-        for file in self.path.glob("*/*"):
-            if file.suffix != SUFFIX:
+        for file in self._own_files():
+            if file.name.endswith(".tmp") and SUFFIX in file.suffixes:
                 file.unlink(missing_ok=True)  # a temporary file of a write that never finished
-                continue
-            info = file.stat()
-            found.append((info.st_mtime, file.stem, info.st_size))
+            elif file.suffix == SUFFIX:
+                info = file.stat()
+                found.append((info.st_mtime, file.stem, info.st_size))
         for _, key, size in sorted(found):
             self._index[key] = size
             self.stats.bytes_stored += size
@@ -116,4 +124,4 @@ class DiskTier:
 
     def disk_bytes(self) -> int:
         """Bytes of the tier's files as the file system reports them (tests check the limit on this)."""
-        return sum(file.stat().st_size for file in self.path.glob("*/*") if file.is_file())
+        return sum(file.stat().st_size for file in self._own_files())
