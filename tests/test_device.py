@@ -21,17 +21,11 @@ import kvopt
 from kvopt.engine import LLM, SamplingParams
 from kvopt.methods import available, parse
 from kvopt.methods.minikv import assign_bits, sensitivities
-
-
-def accelerator() -> str | None:
-    if torch.cuda.is_available():
-        return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    return "mps" if mps is not None and mps.is_available() else None
+from kvopt.models.device import available_accelerator
 
 
 #: ``KVOPT_TEST_DEVICE`` picks another device (``cuda:1``; ``cpu`` checks these tests themselves).
-DEVICE = os.environ.get("KVOPT_TEST_DEVICE") or accelerator()
+DEVICE = os.environ.get("KVOPT_TEST_DEVICE") or available_accelerator()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="no accelerator (CUDA or MPS) on this machine")
 
 #: One spec per registered method, sized so that the tiny models' 40-token prompts are really compressed.

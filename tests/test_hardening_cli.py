@@ -69,6 +69,11 @@ ROWS = [
     (["generate", "Hi", "--model", "{bad}/only-config"], "no weights"),
     (["memory", "--model", "{bad}/unknown-type"], "model_type 'nosuch'"),
     (["generate", "Hi", "--model", "{bad}/notes.txt"], "is a file but not a model"),
+    # devices this machine does not have, or no device at all
+    (["generate", "Hi", "--device", "cuda:99"], "device 'cuda:99' is not on this machine"),
+    (["generate", "Hi", "--device", "tpu"], "unknown device 'tpu'"),
+    (["eval", "--device", "meta"], "device 'meta' is not supported by kvopt"),
+    (["bench", "--device", "cuda:99"], "device 'cuda:99' is not on this machine"),
     # outputs that cannot be written
     (["eval", "--out", "{bad}/notes.txt"], "is a file, not a folder"),
     (["eval", "--out", "{bad}/notes.txt/results"], "cannot be created"),

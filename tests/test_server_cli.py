@@ -35,6 +35,7 @@ def run(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
         (["--kv-memory", "lots"], "kv_memory='lots' is not a size"),
         (["--port", "70000"], "--port"),
         (["--threads", "0"], "--threads"),
+        (["--device", "cuda:99"], "device 'cuda:99' is not on this machine"),
     ],
 )
 def test_bad_settings_fail_before_listening(args, fragment, monkeypatch, capsys):

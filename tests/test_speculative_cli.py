@@ -23,3 +23,14 @@ def test_a_bad_speculation_spec_fails_before_loading_the_model():
     result = run_cli("generate", "hi", "--speculate", "prompt_lookup:k=0", "--model", "/no/such/model")
     assert result.returncode == 2
     assert "prompt_lookup: k=0" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_generate_runs_on_the_device_named(tiny_with_tokenizer, tmp_path):
+    """``--device cpu`` and the default ``auto`` (the CPU where there is no accelerator) answer alike."""
+    model, tokenizer = tiny_with_tokenizer
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    args = ["generate", "one two three one two", "--model", str(tmp_path), "--no-chat", "--max-new-tokens", "6"]
+    results = [CliRunner().invoke(app, [*args, *device]) for device in ([], ["--device", "cpu"])]
+    assert all(result.exit_code == 0 for result in results), [result.output for result in results]
+    assert results[0].output.splitlines()[0] == results[1].output.splitlines()[0]

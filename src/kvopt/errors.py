@@ -42,3 +42,7 @@ class ContextTooLongError(KVOptError):
 
 class CacheUsageError(KVOptError):
     """A kvopt cache is used in a way it cannot serve correctly."""
+
+
+class DeviceError(KVOptError):
+    """A device name torch does not know, or a device this machine does not have."""

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kvopt.cli.batch import batch
 from kvopt.cli.chat import chat
+from kvopt.cli.options import DeviceOption
 from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
@@ -98,6 +99,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 128,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="wrap the prompt in the chat template")] = True,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    device: DeviceOption = "auto",
     speculate: Annotated[
         Optional[str],
         typer.Option(help="speculative decoding: prompt_lookup:k=4, self:layers=8,k=4 or draft:model=PATH,k=4"),
@@ -109,13 +111,14 @@ def generate(
     if speculate is not None:
         from kvopt.speculative.text import speculate_text, summary
 
-        text, output = speculate_text(prompt, speculate, model, method, max_new_tokens, chat, dtype)
+        text, output = speculate_text(prompt, speculate, model, method, max_new_tokens, chat, dtype, device=device)
         _echo(text)
         console.print()
         console.print(summary(method, speculate, output), style="dim", highlight=False, markup=False, soft_wrap=True)
         return
     result = generate_streaming(
-        prompt, model=model, method=method, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, sink=_echo
+        prompt, model=model, method=method, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device,
+        sink=_echo,
     )
     console.print()
     console.print(result.summary(), style="dim", highlight=False, markup=False, soft_wrap=True)
@@ -207,6 +210,7 @@ def evaluate(
     ppl_chunk: Annotated[int, typer.Option(help="tokens per forward in the ppl task (1 = pure decode)")] = 1,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="format prompts with the chat template")] = True,
     share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="kvopt methods replay one lossless prefill per prompt (same results, less time)")] = True,
+    device: DeviceOption = "auto",
 ) -> None:
     """Run an accuracy grid (resumable) and write one JSONL row per sample."""
     from kvopt.eval.contenders import split_specs
@@ -217,7 +221,8 @@ def evaluate(
         samples=samples, modes=_csv(mode), seed=seed, chat=chat, ppl_tokens=ppl_tokens, ppl_chunk=ppl_chunk,
         share_prefill=share_prefill,
     )  # fmt: skip
-    path = run_eval(grid, out, model_name=model, log=lambda text: err.print(text, highlight=False, soft_wrap=True))
+    path = run_eval(grid, out, model_name=model, device=device,
+                    log=lambda text: err.print(text, highlight=False, soft_wrap=True))  # fmt: skip
     console.print(f"results: {path}")
 
 
@@ -242,6 +247,7 @@ def bench(
     repeats: Annotated[int, typer.Option(min=1, help="runs per contender (median reported)")] = 3,
     out: Annotated[Path, typer.Option(help="results folder (bench.jsonl is overwritten)")] = Path("results"),
     model: ModelOption = None,
+    device: DeviceOption = "auto",
 ) -> None:
     """Prefill time, decode tok/s and KV bytes vs plain HF generation, median of repeats."""
     from kvopt.eval.bench import run_bench, summarize
@@ -249,7 +255,7 @@ def bench(
     from kvopt.memory import human_bytes
 
     rows = run_bench(
-        _ints(lengths, "--lengths"), split_specs(methods), out, new_tokens, repeats, model,
+        _ints(lengths, "--lengths"), split_specs(methods), out, new_tokens, repeats, model, device=device,
         log=lambda text: err.print(text, highlight=False, soft_wrap=True),
     )  # fmt: skip
     table = Table(title=f"median of {repeats}, {new_tokens} decoded tokens")

@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvopt.cli.options import DeviceOption
+
 
 def serve(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder or .gguf; default: embedded model")] = None,
@@ -24,6 +26,7 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="longest prompt + output; default: the model's")] = None,
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    device: DeviceOption = "auto",
     max_prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="longest prompt accepted (400 beyond); default: the context")] = None,
     max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="largest max_tokens accepted (400 beyond); default: the context")] = None,
     max_waiting: Annotated[int, typer.Option(min=0, help="requests that may wait beyond --max-num-seqs running ones (429 beyond)")] = 256,
@@ -44,7 +47,10 @@ def serve(
     from kvopt.serving import ServerSettings
     from kvopt.serving import serve as run
 
+    from kvopt.models.device import resolve_device
+
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
+    resolve_device(device)
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     tiers = tuple(kv_tier or ())
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
@@ -57,7 +63,7 @@ def serve(
 
         if threads is not None:
             torch.set_num_threads(threads)
-        return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
+        return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype, device=device,
                    enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding).engine  # fmt: skip
 

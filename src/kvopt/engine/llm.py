@@ -25,18 +25,19 @@ class LLM:
         llm.metrics()["prefix_cache_hits_total"]
 
     ``model`` is a name or path understood by :func:`kvopt.load_model`, or an already loaded HF
-    model (then pass its ``tokenizer``, or give prompts as token ids).
+    model (then pass its ``tokenizer``, or give prompts as token ids). ``device`` places a model loaded by name
+    (``auto``: a CUDA GPU when there is one); a loaded model stays where it is.
     """
 
     def __init__(
         self, model=None, kv_method: str = "full", block_size: int = 16, kv_memory: str | int | float = "1GB",
-        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, **engine_options,
+        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, **engine_options,
     ) -> None:  # fmt: skip
         config = EngineConfig(kv_method, block_size, kv_memory, enable_prefix_caching, **engine_options)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
             from kvopt.models import load_model
 
-            model, tokenizer = load_model(model, dtype=dtype)
+            model, tokenizer = load_model(model, dtype=dtype, device=device)
         self.engine = LLMEngine(model, tokenizer, config)
         self._ids = itertools.count()
 

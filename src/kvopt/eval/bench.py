@@ -30,6 +30,7 @@ def run_bench(
     model_name: str | None = None,
     loaded: tuple | None = None,
     log: Callable[[str], None] = print,
+    device: str | None = None,
 ) -> list[dict]:
     """Measure every method at every length into ``out_dir/bench.jsonl``; return this run's rows.
 
@@ -49,7 +50,7 @@ def run_bench(
     contenders = [parse_contender(spec) for spec in specs]
     path = writable_file(Path(out_dir) / BENCH_FILE, "--out")  # before minutes of measuring
     earlier = load_rows(path, BENCH_ROW_KEYS)
-    model, tokenizer = loaded or load_model(model_name)
+    model, tokenizer = loaded or load_model(model_name, device=device)
     text, _ = real_text()
     all_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(all_ids) < max(lengths):

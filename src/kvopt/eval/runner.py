@@ -98,6 +98,7 @@ def run_eval(
     model_name: str | None = None,
     loaded: tuple | None = None,
     progress: bool = True,
+    device: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Run the grid and append rows to ``out_dir/eval.jsonl``; returns that path."""
@@ -109,7 +110,7 @@ def run_eval(
     grid.validate(None)  # user mistakes fail before the model loads
     path = writable_file(Path(out_dir) / RESULTS_FILE, "--out")
     done = load_done(path)
-    model, tokenizer = loaded or load_model(model_name)
+    model, tokenizer = loaded or load_model(model_name, device=device)
     label = model_name or "SmolLM2-135M-Instruct"
     grid.validate(ModelInfo.from_config(model.config).max_positions)
     runnable = []

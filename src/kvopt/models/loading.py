@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFoundError
+from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.info import parse_dtype
 from kvopt.paths import writable_folder
@@ -251,6 +252,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
 
     ``name_or_path``: None for the embedded default model, a local HF folder, or a .gguf file.
     ``dtype``: torch dtype or name; default is the checkpoint's own dtype.
+    ``device``: where the model runs (a name, ``auto`` for a CUDA GPU when there is one); default the CPU.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -259,6 +261,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
 
     from safetensors import SafetensorError
 
+    device = resolve_device(device)  # a missing device fails before seconds of loading
     folder = resolve_model_dir(name_or_path)
     if dtype is not None:
         dtype = parse_dtype(dtype)

@@ -36,7 +36,7 @@ class DraftModel:
         from kvopt.api import build_cache
         from kvopt.models.loading import load_model
 
-        draft = load_model(self.model)[0] if isinstance(self.model, str) else self.model
+        draft = load_model(self.model, device=model.device)[0] if isinstance(self.model, str) else self.model
         vocab, draft_vocab = model.get_output_embeddings().out_features, draft.get_output_embeddings().out_features
         if vocab != draft_vocab:
             raise KVOptError(

@@ -27,7 +27,7 @@ def verify(
             if int(p.argmax()) != token:
                 return index, int(p.argmax())
             continue
-        q = draft_probs[index] if draft_probs is not None else None
+        q = draft_probs[index].to(p.device) if draft_probs is not None else None  # a draft model may run elsewhere
         q_token = 1.0 if q is None else float(q[token])
         chance = torch.rand((), generator=sampler.generator, device="cpu")
         if q_token > 0 and float(chance) < min(1.0, float(p[token]) / q_token):
