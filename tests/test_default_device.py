@@ -8,6 +8,8 @@ then has no data, and reading or mixing it fails on the CPU the way it would fai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_batch
@@ -81,3 +83,18 @@ def test_speculative_decoding_makes_no_tensor_on_the_default_device(speculate, t
     with torch.device("meta"):
         got = kvopt.generate(model, ids, cache="kivi:bits=4", speculate=speculate, **options).tokens
     assert got == expected
+
+
+def test_the_eval_harness_makes_no_tensor_on_the_default_device(tiny_with_tokenizer, tmp_path):
+    """A grid with a shared prefill, a query-agnostic method's own passes, a quantizer and HF's cache, both modes."""
+    from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
+    from kvopt.eval.runner import EvalGrid, run_eval
+
+    methods = ["full", "snapkv:ratio=0.5", "kvzip:ratio=0.5", "kivi:bits=4", "hf"]
+    grid = EvalGrid(tasks=["passkey"], lengths=[300], methods=methods, depths=1, modes=[QUERY_AGNOSTIC, QUERY_AWARE])
+    answers = []
+    for folder, default in ((tmp_path / "cpu", "cpu"), (tmp_path / "meta", "meta")):
+        with torch.device(default):
+            path = run_eval(grid, folder, loaded=tiny_with_tokenizer, progress=False)
+        answers.append(sorted((row["mode"], row["method"], row["prediction"], row["kv_bytes_peak"]) for row in map(json.loads, path.open())))
+    assert answers[0] == answers[1] and len(answers[0]) == 2 * len(methods)
