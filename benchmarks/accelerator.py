@@ -65,7 +65,7 @@ def timed_prefills(model, tokenizer, specs: list[str], lengths: list[int], repea
     """Prefill seconds per spec and length, interleaved; ``own_prefill``: through :meth:`KVCache.prefill` (the
     query-agnostic methods' own passes run there) rather than one forward."""
     from kvopt.api import build_cache
-    from kvopt.eval.decoding import forward
+    from kvopt.eval.decoding import forward, synchronize
 
     device = model.device
     rows = []
@@ -76,13 +76,13 @@ def timed_prefills(model, tokenizer, specs: list[str], lengths: list[int], repea
         for repeat in range(repeats):
             for spec in specs:
                 cache = build_cache(spec, model)
-                frontier.synchronize(device)
+                synchronize(device)
                 began = time.perf_counter()
                 if own_prefill:
                     cache.prefill(model, torch.tensor([ids], device=device), tokenizer=tokenizer)
                 else:
                     forward(model, ids, cache, 0)
-                frontier.synchronize(device)
+                synchronize(device)
                 rows.append({"method": spec, "length": length, "repeat": repeat,
                              "prefill_s": round(time.perf_counter() - began, 4), "kv_bytes": cache.nbytes()})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
@@ -96,7 +96,7 @@ def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> l
     from torch.profiler import ProfilerActivity, profile
 
     from kvopt.api import build_cache
-    from kvopt.eval.decoding import forward, shared_prefill
+    from kvopt.eval.decoding import forward, shared_prefill, synchronize
 
     device, ids = model.device, frontier.prompt_ids(tokenizer, length - 2 * steps - 8)
     shared, rows = shared_prefill(model, ids), []
@@ -114,10 +114,10 @@ def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> l
         counter = OpCounter()
         with counter:
             decode(1)
-        frontier.synchronize(device)
+        synchronize(device)
         began = time.perf_counter()
         decode(steps)
-        frontier.synchronize(device)
+        synchronize(device)
         row = {"method": spec, "length": length, "steps": steps, "ops_per_step": sum(counter.ops.values()),
                "top_ops": counter.ops.most_common(8),
                "wall_ms_per_step": round((time.perf_counter() - began) * 1e3 / steps, 3)}  # fmt: skip

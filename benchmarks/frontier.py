@@ -107,12 +107,6 @@ def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
     return (ids * ((length + offset) // len(ids) + 1))[offset : offset + length]
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for an accelerator's queued work (a clock read before it would time the launches only)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def stamp(rows: list[dict], step: str) -> list[dict]:
     extra = {"step": step, "model": MODEL, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d"),
              "machine": platform.processor() or platform.machine()}  # fmt: skip
@@ -188,6 +182,7 @@ def measure_batch_decode(model, tokenizer, repeats: int, new_tokens: int, batch:
     read once per step for the whole batch while each row reads its own KV, so the KV's share of a step grows
     with the batch (one recorded batched prefill, replayed by every contender)."""
     from kvopt.api import build_cache
+    from kvopt.eval.decoding import synchronize
     from kvopt.methods.recording import record_prefill
     from kvopt.models.forward import cache_kwargs
     from kvopt.models.info import ModelInfo

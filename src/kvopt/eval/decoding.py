@@ -35,6 +35,14 @@ class Outcome:
         return 1.0 - self.kv_bytes_peak / self.kv_bytes_full if self.kv_bytes_full else 0.0
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for an accelerator's queued work: a clock read before it would time the kernel launches only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def forward(model, ids: list[int] | torch.Tensor, cache, start: int) -> torch.Tensor:
     """Feed ``ids`` at positions ``start...``; return the last position's logits ``[vocab]``."""
     ids = torch.as_tensor(ids, device=model.device).reshape(1, -1)
@@ -62,6 +70,7 @@ def shared_prefill(model, prompt_ids: list[int]) -> SharedPrefill:
     ids = torch.as_tensor(prompt_ids, device=model.device)[None]
     positions = torch.arange(ids.shape[-1], device=model.device)[None]
     cache, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
+    synchronize(model.device)
     return SharedPrefill(tuple(prompt_ids), cache, output.logits[0, -1], time.perf_counter() - started)
 
 
@@ -115,6 +124,7 @@ def run_prompt(
             logits = forward(model, question_ids, cache, len(context_ids))
     seen = len(context_ids) + len(question_ids)
     peak = contender.held_bytes(cache)
+    synchronize(model.device)
     prefilled = time.perf_counter()
     tokens: list[int] = []
     while True:
@@ -126,6 +136,7 @@ def run_prompt(
             break
         logits = forward(model, [token], cache, seen)
         seen += 1
+    synchronize(model.device)
     finished = time.perf_counter()
     peak = max(peak, contender.held_bytes(cache))
     steps = max(len(tokens) - 1, 0)
