@@ -33,9 +33,9 @@ def resolve_device(name: str | torch.device | None) -> torch.device | None:
         raise DeviceError(f"unknown device {name!r}; use cpu, cuda, cuda:N, mps or auto") from None
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         found = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
-        raise DeviceError(f"device {name!r} is not on this machine ({found}); use --device cpu or auto")
+        raise DeviceError(f"device {name!r} is not on this machine ({found}); use the device cpu or auto")
     if device.type == "mps" and available_accelerator() != "mps":
-        raise DeviceError(f"device {name!r} is not on this machine (no Apple MPS device); use --device cpu or auto")
+        raise DeviceError(f"device {name!r} is not on this machine (no Apple MPS device); use the device cpu or auto")
     if device.type not in ("cpu", "cuda", "mps"):
         raise DeviceError(f"device {name!r} is not supported by kvopt; use cpu, cuda, cuda:N, mps or auto")
     return device
