@@ -299,7 +299,7 @@ class SparseKV:
 
     def valid_counts(self) -> torch.Tensor:
         counts = [len(run.tokens) for run in self.runs for _ in range(run.rows)]
-        return torch.tensor(counts, dtype=torch.long, device=self.runs[0].tokens.positions.device if self.runs else "cpu")
+        return torch.tensor(counts, dtype=torch.long, device="cpu")  # bookkeeping from Python lengths, as ragged offsets
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None

@@ -44,10 +44,9 @@ def serve(
     from kvopt.engine import EngineConfig
     from kvopt.engine.offload import tier_spec
     from kvopt.methods import parse
+    from kvopt.models.device import resolve_device
     from kvopt.serving import ServerSettings
     from kvopt.serving import serve as run
-
-    from kvopt.models.device import resolve_device
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     resolve_device(device)
