@@ -19,6 +19,9 @@ before every clock read):
 * ``cost``: the query-agnostic methods' prefill seconds at 2k and 4k (``frontier.py``'s ``cost``).
 * ``batch``: ``--batch`` different 8k prompts decoded together (``frontier.py``'s ``decode-batch``): the rows'
   KV, not the weights, is then what a step mostly reads.
+* ``kernel``: decode tok/s after an 8k prompt at batch 1 and 8 for the quantized specs whose stored tokens
+  the fused Triton kernel reads (:mod:`kvopt.kernels.quantized_attention`), through the kernel and through the
+  torch path (``kvopt.kernels.disabled()``), next to ``full``.
 * ``ops``: what one decode step costs each contender of ``twobit`` and ``rocket``: wall time, tensor operations
   dispatched (each at least one kernel launch), and on CUDA the kernels launched and the time the GPU was busy;
   a step whose wall time is far above its busy time is bound by launches, not by the bytes it reads.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import time
@@ -45,7 +49,11 @@ import twobit
 ROWS = Path(__file__).parent / "results" / "accelerator.jsonl"
 MODEL = frontier.MODEL
 TWOBIT = ["full", *twobit.DECODE_METHODS]
-STEPS = "twobit,ops,rocket,batch,prefill,cost"  # ops after twobit: its calibrations are then cached
+#: Specs whose quantized parts the fused kernel reads: timed through it and through the torch path.
+KERNEL_SPECS = ["kivi:bits=2", "kivi:bits=4", "tokenquant:bits=4"]
+KERNEL_BATCHES = (1, 8)
+PATHS = ("fused", "torch")
+STEPS = "kernel,twobit,ops,rocket,batch,prefill,cost"  # ops after twobit: its calibrations are then cached
 
 
 class OpCounter(TorchDispatchMode):
@@ -89,10 +97,37 @@ def timed_prefills(model, tokenizer, specs: list[str], lengths: list[int], repea
     return rows
 
 
+def read_path(path: str):
+    """The context a contender's reads run in: the fused kernels where they serve (``fused``), or the torch path."""
+    from kvopt import kernels
+
+    return contextlib.nullcontext() if path == "fused" else kernels.disabled()
+
+
+@torch.inference_mode()
+def kernel_decode(model, tokenizer, length: int, new_tokens: int, repeats: int) -> list[dict]:
+    """Decode tok/s (all rows) of :data:`KERNEL_SPECS` through the fused kernel and the torch path, and of ``full``,
+    for ``KERNEL_BATCHES`` different ``length``-token prompts decoded together; interleaved repeats."""
+    rows = []
+    contenders = [("full", "torch"), *((spec, path) for spec in KERNEL_SPECS for path in PATHS)]
+    for batch in KERNEL_BATCHES:
+        prompt = frontier.batch_prompt(model, tokenizer, batch, length - new_tokens - 8)
+        for repeat in range(repeats):
+            for spec, path in contenders:
+                with read_path(path):
+                    seconds, kv_bytes = frontier.timed_batch_decode(model, prompt, spec, new_tokens)
+                rows.append({"method": spec, "path": path, "batch": batch, "length": length, "repeat": repeat,
+                             "new_tokens": new_tokens, "decode_tok_s": round(batch * (new_tokens - 1) / seconds, 3),
+                             "kv_bytes": kv_bytes})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 @torch.inference_mode()
 def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> list[dict]:
     """Per contender after a ``length``-token prompt: wall ms per decode step (``steps`` timed), tensor operations
-    dispatched in one step, and on CUDA the kernels and GPU-busy ms per step (from the profiler)."""
+    dispatched in one step, and on CUDA the kernels and GPU-busy ms per step (from the profiler). Specs the fused
+    kernel serves are measured through it and through the torch path."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvopt.api import build_cache
@@ -100,15 +135,16 @@ def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> l
 
     device, ids = model.device, frontier.prompt_ids(tokenizer, length - 2 * steps - 8)
     shared, rows = shared_prefill(model, ids), []
-    for spec in specs:
+    for spec, path in ((spec, path) for spec in specs for path in (PATHS if spec in KERNEL_SPECS else ("fused",))):
         cache = build_cache(spec, model)
         cache.replay_prefill(shared.cache)
         token, position = int(shared.logits.argmax()), len(ids)
 
         def decode(count: int) -> None:
             nonlocal token, position
-            for _ in range(count):
-                token, position = int(forward(model, [token], cache, position).argmax()), position + 1
+            with read_path(path):
+                for _ in range(count):
+                    token, position = int(forward(model, [token], cache, position).argmax()), position + 1
 
         decode(2)  # warm-up
         counter = OpCounter()
@@ -118,7 +154,8 @@ def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> l
         began = time.perf_counter()
         decode(steps)
         synchronize(device)
-        row = {"method": spec, "length": length, "steps": steps, "ops_per_step": sum(counter.ops.values()),
+        row = {"method": spec, "path": path, "length": length, "steps": steps,
+               "ops_per_step": sum(counter.ops.values()),
                "top_ops": counter.ops.most_common(8),
                "wall_ms_per_step": round((time.perf_counter() - began) * 1e3 / steps, 3)}  # fmt: skip
         if device.type == "cuda":
@@ -146,10 +183,13 @@ def run_step(step: str, model, tokenizer, args) -> list[dict]:
         return timed_prefills(model, tokenizer, specs, lengths, args.repeats, True)
     if step == "batch":
         return frontier.measure_batch_decode(model, tokenizer, args.repeats, args.new_tokens, args.batch)
+    if step == "kernel":
+        return kernel_decode(model, tokenizer, args.length, args.new_tokens, args.repeats)
     if step == "ops":
         from kvopt.models.info import ModelInfo
 
         specs = [*TWOBIT, *frontier.decode_methods(ModelInfo.from_config(model.config), args.length)[1:]]
+        specs = args.ops_specs.split(",") if args.ops_specs else specs
         return step_costs(model, tokenizer, specs, args.length, args.ops_steps)
     raise SystemExit(f"unknown step {step!r}; choose from {STEPS}")
 
@@ -183,10 +223,40 @@ def render(rows: list[dict]) -> str:
         (f"Decode, {batch} different prompts together (tok/s over all rows)", "batch", "decode_tok_s", "full"),
     ):
         lines += _speed_table(title, by_step.get(step, []), key, base)
+    lines += _kernel_table(by_step.get("kernel", []))
     lines += _ops_table(by_step.get("ops", []))
     for title, step in (("Prefill, FastKV vs SnapKV", "prefill"), ("Prefill, query-agnostic methods", "cost")):
         lines += _prefill_table(title, by_step.get(step, []))
     return "\n".join(lines) + "\n"
+
+
+def _kernel_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    first = rows[0]
+    lines = [
+        f"### Decode through the fused quantized kernel (after {first['length']} tokens, {first['new_tokens']} decoded)",
+        "", "The quantized parts read by one Triton kernel per layer (`kvopt/kernels/quantized_attention.py`) or "
+        "by the torch path (`kvopt.kernels.disabled()`: dequantize, then attend); tok/s over all rows, medians.", "",
+        "| batch | method | fused tok/s | torch path tok/s | fused vs torch | fused vs `full` | KV held |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for batch in dict.fromkeys(row["batch"] for row in rows):
+        speeds: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        held = {}
+        for row in rows:
+            if row["batch"] == batch:
+                speeds[row["method"], row["path"]].append(row["decode_tok_s"])
+                held[row["method"]] = row["kv_bytes"]
+        median = {key: statistics.median(values) for key, values in speeds.items()}
+        full = median.get(("full", "torch"))
+        for spec in held:
+            fused, torch_path = median.get((spec, "fused")), median.get((spec, "torch"))
+            cells = [f"{fused:.1f}" if fused else "-", f"{torch_path:.1f}" if torch_path else "-",
+                     f"{fused / torch_path:.2f}x" if fused and torch_path else "-",
+                     f"{(fused or torch_path) / full:.2f}x" if full else "-"]  # fmt: skip
+            lines.append(f"| {batch} | `{spec}` | {' | '.join(cells)} | {held[spec] / 1e6:.0f} MB |")
+    return [*lines, ""]
 
 
 def _ops_table(rows: list[dict]) -> list[str]:
@@ -204,10 +274,11 @@ def _ops_table(rows: list[dict]) -> list[str]:
     for row in rows:
         top = ", ".join(f"{name} {count}" for name, count in row["top_ops"][:5])
         busy, kernels = row.get("busy_ms_per_step", "-"), row.get("kernels_per_step", "-")
-        lines.append(f"| `{row['method']}` | {row['wall_ms_per_step']:.1f} | {busy} | {kernels} | "
+        path = " (torch path)" if row.get("path") == "torch" else ""
+        lines.append(f"| `{row['method']}`{path} | {row['wall_ms_per_step']:.1f} | {busy} | {kernels} | "
                      f"{row['ops_per_step']} | {top} |")  # fmt: skip
     stopped = first.get("stopped")
-    return [*lines, "", *([f"Stopped: {stopped}.", ""] if stopped else [])]
+    return [*lines, "", *([f"Stopped: {stopped}.", ""] if stopped else []), *_notes(rows)]
 
 
 def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]:
@@ -224,7 +295,13 @@ def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]
         median = statistics.median(runs)
         ratio = f"{median / reference:.2f}x" if reference else "-"
         lines.append(f"| `{spec}` | {median:.1f} | {ratio} | {', '.join(f'{r:.1f}' for r in runs)} |")
-    return [*lines, ""]
+    return [*lines, "", *_notes(rows)]
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """The rows' notes (what a row measured that its table does not say), once each, under the table."""
+    notes = dict.fromkeys(row["note"] for row in rows if row.get("note"))
+    return [*(f"Note: {note}." for note in notes), *([""] if notes else [])]
 
 
 def _prefill_table(title: str, rows: list[dict]) -> list[str]:
@@ -254,6 +331,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="prompts decoded together (batch step)")
     parser.add_argument("--ops-steps", type=int, default=16, help="decode steps timed and profiled (ops step)")
+    parser.add_argument("--ops-specs", help="comma-separated contenders of the ops step (default: twobit's and rocket's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     model, tokenizer = kvopt.load_model(device=device)

@@ -41,6 +41,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -176,39 +177,66 @@ def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int 
     return rows
 
 
+@dataclass
+class BatchPrompt:
+    """``batch`` different prompts of one length, prefilled together once (recorded) for every contender to replay."""
+
+    recorded: object
+    first_tokens: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+
 @torch.inference_mode()
+def batch_prompt(model, tokenizer, batch: int, length: int) -> BatchPrompt:
+    """Windows of the local text at different offsets, ``length`` tokens each, prefilled as one batch."""
+    from kvopt.methods.recording import record_prefill
+
+    device = model.device
+    ids = torch.tensor([prompt_ids(tokenizer, length, offset=row * 1009) for row in range(batch)], device=device)
+    positions = torch.arange(length, device=device)[None].expand(batch, -1)
+    recorded, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
+    return BatchPrompt(recorded, output.logits[:, -1].argmax(-1, keepdim=True), positions)
+
+
+@torch.inference_mode()
+def timed_batch_decode(model, prompt: BatchPrompt, spec: str, new_tokens: int) -> tuple[float, int]:
+    """Seconds to decode ``new_tokens - 1`` tokens for every row after a warm-up step, and the bytes ``spec`` held."""
+    from kvopt.api import build_cache
+    from kvopt.eval.decoding import synchronize
+    from kvopt.models.forward import cache_kwargs
+
+    cache = build_cache(spec, model)
+    cache.replay_prefill(prompt.recorded)
+    tokens, length = prompt.first_tokens, prompt.length
+    for step in range(new_tokens):
+        if step == 1:  # the first step warms up; an accelerator's queue is drained around the clock
+            synchronize(model.device)
+            began = time.perf_counter()
+        logits = model(input_ids=tokens, **cache_kwargs(model, cache), use_cache=True,
+                       position_ids=prompt.positions[:, :1] + length + step, logits_to_keep=1).logits  # fmt: skip
+        tokens = logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(model.device)
+    return time.perf_counter() - began, cache.nbytes()
+
+
 def measure_batch_decode(model, tokenizer, repeats: int, new_tokens: int, batch: int) -> list[dict]:
     """Decode tok/s (all rows together) of ``batch`` different 8k prompts decoded side by side: the weights are
     read once per step for the whole batch while each row reads its own KV, so the KV's share of a step grows
     with the batch (one recorded batched prefill, replayed by every contender)."""
-    from kvopt.api import build_cache
-    from kvopt.eval.decoding import synchronize
-    from kvopt.methods.recording import record_prefill
-    from kvopt.models.forward import cache_kwargs
     from kvopt.models.info import ModelInfo
 
-    length, device = DECODE_LENGTH - new_tokens - 8, model.device
-    ids = torch.tensor([prompt_ids(tokenizer, length, offset=row * 1009) for row in range(batch)], device=device)
-    positions = torch.arange(length, device=device)[None].expand(batch, -1)
-    recorded, output = record_prefill(model, ids, position_ids=positions, logits_to_keep=1)
+    prompt = batch_prompt(model, tokenizer, batch, DECODE_LENGTH - new_tokens - 8)
     rows = []
     for repeat in range(repeats):
         for spec in decode_methods(ModelInfo.from_config(model.config)):
-            cache = build_cache(spec, model)
-            cache.replay_prefill(recorded)
-            tokens = output.logits[:, -1].argmax(-1, keepdim=True)
-            for step in range(new_tokens):
-                if step == 1:  # the first step warms up; an accelerator's queue is drained around the clock
-                    synchronize(device)
-                    began = time.perf_counter()
-                logits = model(input_ids=tokens, **cache_kwargs(model, cache), use_cache=True,
-                               position_ids=positions[:, :1] + length + step, logits_to_keep=1).logits  # fmt: skip
-                tokens = logits[:, -1].argmax(-1, keepdim=True)
-            synchronize(device)
-            seconds = time.perf_counter() - began
+            seconds, kv_bytes = timed_batch_decode(model, prompt, spec, new_tokens)
             rows.append({"method": spec, "length": DECODE_LENGTH, "repeat": repeat, "new_tokens": new_tokens,
                          "batch": batch, "decode_tok_s": round(batch * (new_tokens - 1) / seconds, 3),
-                         "kv_bytes": cache.nbytes(), "model": MODEL})  # fmt: skip
+                         "kv_bytes": kv_bytes, "model": MODEL})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -1,11 +1,17 @@
 import copy
+import os
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
-import pytest
 import torch
 
-from tiny_models import CONFIGS, VOCAB, tiny_model
+# Without a GPU, Triton kernels can only run in its interpreter (tests/test_kernels.py). It is chosen when
+# Triton is imported, which transformers does: so before importing it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tiny_models import CONFIGS, VOCAB, tiny_model  # noqa: E402
 
 # Tiny models run many small ops: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)

@@ -329,6 +329,14 @@ class KVLayer(SeamLayer):
         if self.sliding_window is not None:
             raise CacheUsageError(f"{self.parts[0].kind} cannot serve sliding-window layers yet")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        quantized = self.parts[0]
+        if len(self.parts) == 1 and isinstance(quantized, QuantizedKV) and self.store.all_valid:
+            if quantized.decodes_fused(query, positions, softcap):
+                # A quantized decode step on a GPU: the codes and the residual read by one kernel, no merges.
+                batch, heads, _, dim = query.shape
+                output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
+                quantized.decode_fused(query, scale, dense=(keys, self.store.values), out=output[:, 0])
+                return output
         results = [part.attend(query, positions, scale, softcap) for part in self.parts]
         results.append(self.store.attend(query, positions, scale, softcap, keys=keys))
         return attention.merge_with_lse(results)[0].to(query.dtype).transpose(1, 2).contiguous()

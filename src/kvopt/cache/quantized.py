@@ -10,10 +10,12 @@ slice; tokens are always quantized a whole number of groups at a time. Positions
 validity are a :class:`~kvopt.cache.positions.TokenIndex` (no bytes per token while the
 tokens are a run of real, head-aligned ones).
 
-Attention never rebuilds the full-precision cache: :meth:`QuantizedKV.attend` dequantizes
-``BLOCK_ELEMENTS`` per key/value tensor at a time (into reused workspace buffers, in fp32, the precision
-attention computes in) and combines the blocks through their log-sum-exp, the same exact
-merge the layer uses to join this part with its full-precision residual.
+Attention never rebuilds the full-precision cache. On a GPU, one query per row (decoding) attends
+straight from the codes in a fused kernel (:mod:`kvopt.kernels.quantized_attention`), which also reads
+the layer's full-precision residual when this is the layer's only part; otherwise
+:meth:`QuantizedKV.attend` dequantizes ``block_elements`` per key/value tensor at a time (into reused
+workspace buffers, in fp32, the precision attention computes in) and combines the blocks through their
+log-sum-exp, the same exact merge the layer uses to join this part with its full-precision residual.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt import kernels
 from kvopt.cache import quant
 from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
 from kvopt.cache.positions import TokenIndex
@@ -138,18 +141,43 @@ class QuantizedKV:
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32, block by block."""
-        parts = []
-        batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
-        per_token = batch * heads * channel_groups * channels
-        step = max(block_elements(query.device) // per_token // self.group, 1) * self.group
+        """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32: in the fused kernel where it serves
+        (:meth:`decodes_fused`), else block by block."""
+        if self.decodes_fused(query, query_positions, softcap):
+            output, lse = self.decode_fused(query, scaling)
+            return output.unsqueeze(2), lse.unsqueeze(2)
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         # Autograd keeps each block's keys for the backward pass: then blocks get their own memory.
         into = None if torch.is_grad_enabled() and query.requires_grad else "attend"
+        parts = []
+        batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
+        per_token = batch * heads * channel_groups * channels
+        step = max(block_elements(query.device) // per_token // self.group, 1) * self.group
         for start in range(0, len(self), step):
             stop = min(start + step, len(self))
             keys, values = self.dequantize(start, stop, torch.float32, into)
             mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
         return merge_with_lse(parts)
+
+    def decodes_fused(self, query: torch.Tensor, query_positions: torch.Tensor, softcap: float | None) -> bool:
+        """Whether :meth:`decode_fused` serves this read: one query that sees every token (decoding, no padding),
+        no soft-capping, no autograd, on a device with the kernel, in a layout it reads."""
+        return (
+            query_positions.numel() == 1 and self.index.valid is None and softcap is None
+            and not (torch.is_grad_enabled() and query.requires_grad)
+            and kernels.quantized_decode_serves(query.device, self.group, self.bits)
+        )  # fmt: skip
+
+    def decode_fused(
+        self, query: torch.Tensor, scaling: float, dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(output [B, H_q, D], lse [B, H_q])`` of one query per row over these codes and the full-precision
+        ``dense`` keys and values (the layer's residual, read in the same launch), in two kernel launches
+        (:mod:`kvopt.kernels.quantized_attention`); the output in ``out`` when given, else fp32."""
+        from kvopt.kernels import quantized_attention
+
+        packed = [(part.codes, part.scale, part.zero) for part in (self.keys, self.values)]
+        return quantized_attention.decode(query, *packed, self.bits, self.group, scaling, dense, out)

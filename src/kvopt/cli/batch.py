@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from kvopt.cli.options import DeviceOption
+from kvopt.cli.options import DeviceOption, ModelOption
 from kvopt.errors import KVOptError
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "n", "seed", "logprobs", "ignore_eos",
@@ -70,7 +70,7 @@ def read_requests(path: Path, default_max_tokens: int) -> list[dict]:
 def batch(
     input_file: Annotated[Path, typer.Argument(help="JSONL, one request per line")],
     output: Annotated[Path, typer.Option("--output", "-o", help="JSONL results, one per request, in input order")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder or .gguf; default: embedded model")] = None,
+    model: ModelOption = None,
     kv_method: Annotated[str, typer.Option(help="KV method spec for the engine")] = "full",
     kv_memory: Annotated[str, typer.Option(help="KV pool size: 1GB, 512MiB, or a fraction of free memory (0.5)")] = "1GB",
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = 16,

@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption
+from kvopt.cli.options import DeviceOption, ModelOption
 from kvopt.errors import KVOptError
 from kvopt.models.forward import cache_kwargs
 
@@ -53,7 +53,7 @@ def turn_tokens(tokenizer, messages: list[dict], text: str) -> list[int]:
 
 def chat(
     session: Annotated[str, typer.Option("--session", help="session name; its cache is saved after every turn and resumed on restart")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct")] = None,
+    model: ModelOption = None,
     method: Annotated[Optional[str], typer.Option("--method", help="method spec of a new session (a resumed one keeps its own), default full")] = None,
     sessions: Annotated[Optional[Path], typer.Option("--sessions-dir", help="folder of session files; default $KVOPT_SESSIONS or $KVOPT_CACHE/sessions")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per answer at most")] = 128,

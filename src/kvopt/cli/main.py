@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvopt.cli.batch import batch
 from kvopt.cli.chat import chat
-from kvopt.cli.options import DeviceOption
+from kvopt.cli.options import DeviceOption, ModelOption
 from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
@@ -24,10 +24,6 @@ app = typer.Typer(add_completion=False, help="KV-cache optimization for Hugging 
 err = Console(stderr=True)
 console = Console()
 
-ModelOption = Annotated[
-    Optional[str],
-    typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct"),
-]
 MethodOption = Annotated[str, typer.Option("--method", help="method spec, e.g. full, window:size=1024")]
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 INTERRUPTED = 130

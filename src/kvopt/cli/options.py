@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
+
+ModelOption = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct"),
+]
 
 DeviceOption = Annotated[
     str,

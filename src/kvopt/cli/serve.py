@@ -10,11 +10,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption
+from kvopt.cli.options import DeviceOption, ModelOption
 
 
 def serve(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder or .gguf; default: embedded model")] = None,
+    model: ModelOption = None,
     kv_method: Annotated[str, typer.Option(help="KV method spec for the engine (requests may name their own kv_method)")] = "full",
     kv_memory: Annotated[str, typer.Option(help="KV pool size: 1GB, 512MiB, or a fraction of free memory (0.5)")] = "1GB",
     host: Annotated[str, typer.Option(help="address to listen on (0.0.0.0 for every interface)")] = "127.0.0.1",
