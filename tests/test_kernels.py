@@ -12,7 +12,8 @@ import os
 
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model
+from conftest import random_batch
+from tiny_models import tiny_model
 
 import kvopt
 from kvopt import kernels
@@ -52,7 +53,7 @@ def on(part: QuantizedKV, device: torch.device) -> tuple[tuple, tuple]:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("key_mode", ["channel", "token"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("splits", [3, None])
 def test_fused_decode_equals_the_block_by_block_reference(shape, key_mode, bits, splits):
     part, query = encoded(shape, bits, key_mode)
     expected_output, expected_lse = part.attend(query, torch.tensor([shape[-1]]), 0.125)
@@ -78,14 +79,46 @@ def test_the_residual_is_read_in_the_same_launch_and_the_output_written_in_place
     ])  # fmt: skip
     layer_output = torch.zeros(shape[0], 1, query.shape[1], shape[3], dtype=dtype, device=DEVICE)
     keys, values = on(part, DEVICE)
-    dense = (dense_keys.to(DEVICE), dense_values.to(DEVICE))
+    dense = (dense_keys.to(DEVICE), dense_values.to(DEVICE), None)
     output, lse = quantized_attention.decode(
-        query.to(DEVICE), keys, values, 4, shape[4], 0.125, dense, out=layer_output[:, 0]
+        query.to(DEVICE), keys, values, 4, shape[4], 0.125, dense=dense, out=layer_output[:, 0]
     )
     assert output.data_ptr() == layer_output.data_ptr()
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(layer_output.cpu().transpose(1, 2).float(), expected, **tolerance)
     torch.testing.assert_close(lse.cpu().unsqueeze(2), expected_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_padding_gets_no_weight_in_the_codes_and_the_residual(per_head):
+    """Left-padded rows (a batch of prompts of different lengths): padding tokens in the codes and in the residual
+    are skipped, splits of padding only weigh nothing, and a row with no real token gets output 0, lse -inf."""
+    batch, kv_heads, query_group, dim, group, tokens = 3, 2, 3, 64, 16, 160
+    generator = torch.Generator().manual_seed(7)
+    keys, values = (torch.randn(batch, kv_heads, tokens, dim, generator=generator) for _ in range(2))
+    first_real = torch.tensor([0, 100, tokens])  # row 2: the codes are all padding
+    valid = (torch.arange(tokens) >= first_real[:, None])[:, None].expand(batch, kv_heads if per_head else 1, -1)
+    if per_head:
+        valid = valid.clone()
+        valid[0, 1, :40] = False  # heads of a row hold different tokens (head-wise methods)
+    positions = torch.arange(tokens).expand(batch, 1, tokens)
+    part = QuantizedKV.encode(keys, values, positions, valid, 2, group, "channel")
+    dense_keys, dense_values = (torch.randn(batch, kv_heads, 9, dim, generator=generator) for _ in range(2))
+    dense_valid = torch.ones(batch, 1, 9, dtype=torch.bool)
+    dense_valid[2] = False  # ... and so is row 2's residual
+    query = torch.randn(batch, kv_heads * query_group, 1, dim, generator=generator)
+    expected, expected_lse = merge_with_lse([
+        part.attend(query, torch.tensor([tokens + 9]), 0.125),
+        attention_with_lse(query, dense_keys, dense_values, dense_valid[:, :, None, :], 0.125),
+    ])  # fmt: skip
+    packed_keys, packed_values = on(part, DEVICE)
+    dense = (dense_keys.to(DEVICE), dense_values.to(DEVICE), dense_valid.to(DEVICE))
+    output, lse = quantized_attention.decode(
+        query.to(DEVICE), packed_keys, packed_values, 2, group, 0.125, part.index.valid.to(DEVICE), dense, splits=4
+    )
+    torch.testing.assert_close(output.cpu().unsqueeze(2), expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().unsqueeze(2), expected_lse, atol=2e-5, rtol=1e-5)
+    assert torch.isneginf(lse[2]).all() and not output[2].any()
 
 
 def test_strided_codes_and_a_strided_query_are_read_in_place():
@@ -123,6 +156,34 @@ def test_a_part_read_on_its_own_goes_through_the_kernel_when_it_serves(monkeypat
         torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
 
 
+def test_a_kernel_that_cannot_run_here_warns_once_and_reads_take_the_torch_path(monkeypatch):
+    """An older GPU or Triton that cannot build or launch the kernel: the same tokens, one warning, and no later
+    read tries the kernel again."""
+    from triton.runtime.errors import OutOfResources
+
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in random_batch([30, 30], seed=4))
+    steps = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    spec = "kivi:bits=2,residual=16,group=16"
+    expected = model.generate(ids, attention_mask=mask, past_key_values=kvopt.cache(spec, model), **steps)
+    attempts = []
+
+    def cannot_launch(*args):
+        attempts.append(1)
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(kernels, "_UNAVAILABLE", [])
+    serves = kernels.fused_kernels_serve
+    assert serves(torch.device("cuda")) == kernels.triton_installed()
+    monkeypatch.setattr(kernels, "fused_kernels_serve", lambda device: serves(torch.device("cuda")))
+    monkeypatch.setattr(quantized_attention, "_decode", cannot_launch)
+    with pytest.warns(RuntimeWarning, match="cannot run on this machine.*torch path") as warned:
+        got = model.generate(ids, attention_mask=mask, past_key_values=kvopt.cache(spec, model), **steps)
+    assert torch.equal(got, expected)
+    assert len(attempts) == 1 and len([w for w in warned if "fused GPU kernels" in str(w.message)]) == 1
+    assert not serves(torch.device("cuda"))
+
+
 def test_the_kernel_serves_gpus_with_triton_and_power_of_two_groups_of_whole_bytes():
     assert not kernels.fused_kernels_serve(torch.device("cpu"))
     cuda = torch.device("cuda")
@@ -136,13 +197,14 @@ def test_the_kernel_serves_gpus_with_triton_and_power_of_two_groups_of_whole_byt
              "tokenquant:bits=4,group=16,residual=16", "mixedkv:high=4,low=2,salient=0.25,residual=16,group=16",
              "snapkv:ratio=0.5+kivi:bits=4,residual=16,group=16"],
 )  # fmt: skip
-def test_generation_through_the_kernel_equals_the_torch_path(spec, monkeypatch):
+@pytest.mark.parametrize("lengths", [[40, 40], [40, 23, 31]], ids=["one length", "left-padded"])
+def test_generation_through_the_kernel_equals_the_torch_path(spec, lengths, monkeypatch):
     """A whole model decodes the same tokens (and nearly the same logits) when its quantized parts are read by
-    the kernel, the layer's full-precision residual in the same launch; batch rows of one length (no padding)
-    go through it too."""
+    the kernel, the layer's full-precision residual in the same launch: a batch of one length, and a batch of
+    prompts of different lengths (left padding in the codes and the residual)."""
     model = tiny_model("llama").to(DEVICE)
-    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    steps = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "output_logits": True,
+    ids, mask = (t.to(DEVICE) for t in random_batch(lengths, seed=3))
+    steps = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "output_logits": True,
              "return_dict_in_generate": True}  # fmt: skip
 
     original = quantized_attention.decode
@@ -150,13 +212,13 @@ def test_generation_through_the_kernel_equals_the_torch_path(spec, monkeypatch):
     def run(fused: bool):
         calls = []
 
-        def counted(query, keys, values, bits, group, scaling, dense=None, out=None, splits=None):
+        def counted(query, keys, values, bits, group, scaling, code_valid=None, dense=None, out=None, splits=None):
             calls.append(dense is not None)
-            return original(query, keys, values, bits, group, scaling, dense, out, splits)
+            return original(query, keys, values, bits, group, scaling, code_valid, dense, out, splits)
 
         monkeypatch.setattr(kernels, "fused_kernels_serve", lambda device: fused)
         monkeypatch.setattr(quantized_attention, "decode", counted)
-        out = model.generate(ids, past_key_values=kvopt.cache(spec, model), **steps)
+        out = model.generate(ids, attention_mask=mask, past_key_values=kvopt.cache(spec, model), **steps)
         return out, calls
 
     reference, unfused_calls = run(False)

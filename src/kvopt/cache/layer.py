@@ -330,12 +330,13 @@ class KVLayer(SeamLayer):
             raise CacheUsageError(f"{self.parts[0].kind} cannot serve sliding-window layers yet")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         quantized = self.parts[0]
-        if len(self.parts) == 1 and isinstance(quantized, QuantizedKV) and self.store.all_valid:
-            if quantized.decodes_fused(query, positions, softcap):
-                # A quantized decode step on a GPU: the codes and the residual read by one kernel, no merges.
-                batch, heads, _, dim = query.shape
-                output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
-                quantized.decode_fused(query, scale, dense=(keys, self.store.values), out=output[:, 0])
+        one_quantized_part = len(self.parts) == 1 and isinstance(quantized, QuantizedKV)
+        if one_quantized_part and quantized.decodes_fused(query, positions, softcap):
+            # A quantized decode step on a GPU: the codes and the residual read by one kernel, no merges.
+            batch, heads, _, dim = query.shape
+            output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
+            dense = (keys, self.store.values, self.store.mask_rows()[1])
+            if quantized.decode_fused(query, scale, dense, out=output[:, 0]):
                 return output
         results = [part.attend(query, positions, scale, softcap) for part in self.parts]
         results.append(self.store.attend(query, positions, scale, softcap, keys=keys))

@@ -143,8 +143,8 @@ class QuantizedKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32: in the fused kernel where it serves
         (:meth:`decodes_fused`), else block by block."""
-        if self.decodes_fused(query, query_positions, softcap):
-            output, lse = self.decode_fused(query, scaling)
+        if self.decodes_fused(query, query_positions, softcap) and (fused := self.decode_fused(query, scaling)):
+            output, lse = fused
             return output.unsqueeze(2), lse.unsqueeze(2)
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
@@ -162,22 +162,26 @@ class QuantizedKV:
         return merge_with_lse(parts)
 
     def decodes_fused(self, query: torch.Tensor, query_positions: torch.Tensor, softcap: float | None) -> bool:
-        """Whether :meth:`decode_fused` serves this read: one query that sees every token (decoding, no padding),
-        no soft-capping, no autograd, on a device with the kernel, in a layout it reads."""
+        """Whether :meth:`decode_fused` serves this read: one query position (decoding: every stored token is
+        older, only padding is hidden), no soft-capping, no autograd, on a device with the kernel, in a layout it
+        reads."""
         return (
-            query_positions.numel() == 1 and self.index.valid is None and softcap is None
+            query_positions.numel() == 1 and softcap is None
             and not (torch.is_grad_enabled() and query.requires_grad)
             and kernels.quantized_decode_serves(query.device, self.group, self.bits)
         )  # fmt: skip
 
     def decode_fused(
-        self, query: torch.Tensor, scaling: float, dense: tuple[torch.Tensor, torch.Tensor] | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self, query: torch.Tensor, scaling: float,
+        dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """``(output [B, H_q, D], lse [B, H_q])`` of one query per row over these codes and the full-precision
-        ``dense`` keys and values (the layer's residual, read in the same launch), in two kernel launches
-        (:mod:`kvopt.kernels.quantized_attention`); the output in ``out`` when given, else fp32."""
+        ``dense`` keys, values and validity (the layer's residual, read in the same launch), in two kernel
+        launches (:mod:`kvopt.kernels.quantized_attention`); the output in ``out`` when given, else fp32.
+        None when the kernel cannot run on this machine (warned once; reads then take the torch path)."""
         from kvopt.kernels import quantized_attention
 
         packed = [(part.codes, part.scale, part.zero) for part in (self.keys, self.values)]
-        return quantized_attention.decode(query, *packed, self.bits, self.group, scaling, dense, out)
+        return quantized_attention.decode(
+            query, *packed, self.bits, self.group, scaling, self.index.valid, dense, out
+        )

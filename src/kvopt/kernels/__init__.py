@@ -14,6 +14,7 @@ import contextvars
 import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -21,6 +22,8 @@ import torch
 #: ``KVOPT_FUSED_KERNELS=0`` keeps every read on the torch path (to rule a kernel out when results differ).
 ENV_SWITCH = "KVOPT_FUSED_KERNELS"
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvopt_fused_kernels", default=True)
+#: Why the kernels cannot run on this machine, once one failed to build or launch (then reads stay on torch).
+_UNAVAILABLE: list[str] = []
 
 
 @functools.cache
@@ -32,9 +35,19 @@ def triton_installed() -> bool:
 def fused_kernels_serve(device: torch.device) -> bool:
     """Whether tensors on ``device`` get the fused kernels: CUDA (or ROCm) devices with Triton installed, unless
     switched off (:func:`disabled`, or ``KVOPT_FUSED_KERNELS=0``)."""
-    if not _ENABLED.get() or os.environ.get(ENV_SWITCH, "1") == "0":
+    if _UNAVAILABLE or not _ENABLED.get() or os.environ.get(ENV_SWITCH, "1") == "0":
         return False
     return device.type == "cuda" and triton_installed()
+
+
+def give_up(error: Exception) -> None:
+    """A kernel cannot be built or launched here (an older GPU or Triton): warn once, and every later read takes
+    the torch path (the same results, more launches)."""
+    _UNAVAILABLE.append(repr(error))
+    warnings.warn(
+        f"kvopt's fused GPU kernels cannot run on this machine ({error}); reads take the torch path "
+        f"(set {ENV_SWITCH}=0 to skip trying them)", RuntimeWarning, stacklevel=3,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
