@@ -207,7 +207,7 @@ def render(rows: list[dict]) -> str:
         return ""
     by_step, first = frontier.rows_by_step(rows), rows[0]
     lines = [
-        f"## On a GPU: the timed targets of #16 and #17 ({first['device']})",
+        f"## On a GPU: the timed targets of #16 and #17, the fused quantized kernel ({first['device']})",
         "",
         f"`python benchmarks/accelerator.py --device cuda` (rows: `benchmarks/results/accelerator.jsonl`), {MODEL} "
         f"(fp32), {first['device']}, torch {first['torch']}, transformers {first['transformers']}, {first['date']}; "

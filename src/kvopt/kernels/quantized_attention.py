@@ -65,7 +65,12 @@ def _token_valid(valid, offset, tokens, stride, held, HAS_VALID: tl.constexpr):
     return held
 
 
-@triton.jit
+#: Counts that change from step to step, and the split axis' stride that follows them: compiled as plain
+#: integers, not specialized (a context growing through multiples of 16 would compile new variants as it decodes).
+_STEP_COUNTS = ["groups", "groups_per_split", "quantized_splits", "dense_tokens", "l_h"]
+
+
+@triton.jit(do_not_specialize=_STEP_COUNTS)
 def _quantized_decode_kernel(
     query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, dense_keys, dense_values,
     code_valid, dense_valid, out, lse,
@@ -149,7 +154,7 @@ def _quantized_decode_kernel(
     tl.store(lse + batch * l_b + query_heads * l_h + split, best + tl.log(total), mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "pl_h"])
 def _combine_kernel(
     parts, part_lse, out, lse, splits,
     p_b, p_h, p_s, pl_b, pl_h, o_b, o_h, l_b, l_h,
