@@ -13,13 +13,14 @@ import os
 import pytest
 import torch
 from conftest import random_batch
-from tiny_models import tiny_model
+from tiny_models import VOCAB, tiny_model
 
 import kvopt
 from kvopt import kernels
 from kvopt.cache import quant
 from kvopt.cache.attention import attention_with_lse, merge_with_lse
 from kvopt.cache.quantized import QuantizedKV
+from kvopt.engine import LLM, SamplingParams
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -154,6 +155,32 @@ def test_a_part_read_on_its_own_goes_through_the_kernel_when_it_serves(monkeypat
     fused = part.attend(query, position, 0.125)
     for got, want in zip(fused, expected):
         torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=2,residual=16,group=16", "snapkv:ratio=0.5+kivi:bits=4,residual=16,group=16"])
+def test_the_engine_decodes_the_same_tokens_through_the_kernel(spec, monkeypatch):
+    """The engine's compressed blocks (codes read from the block pool as one part per sequence) go through the
+    kernel too; continuous batching of prompts of different lengths gives the torch path's tokens."""
+    model = tiny_model("llama").to(DEVICE)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() for n in (21, 40, 57)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    calls = []
+    original = quantized_attention.decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    def tokens(fused: bool) -> list[list[int]]:
+        monkeypatch.setattr(kernels, "fused_kernels_serve", lambda device: fused)
+        outputs = LLM(model, kv_method=spec, kv_memory="4MB").generate(prompts, params, use_tqdm=False)
+        return [output.outputs[0].token_ids for output in outputs]
+
+    monkeypatch.setattr(quantized_attention, "decode", counted)
+    expected = tokens(False)
+    assert not calls
+    assert tokens(True) == expected and calls
 
 
 def test_a_kernel_that_cannot_run_here_warns_once_and_reads_take_the_torch_path(monkeypatch):
