@@ -157,7 +157,9 @@ def test_a_part_read_on_its_own_goes_through_the_kernel_when_it_serves(monkeypat
         torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["kivi:bits=2,residual=16,group=16", "snapkv:ratio=0.5+kivi:bits=4,group=16"])
+@pytest.mark.parametrize(
+    "spec", ["kivi:bits=2,residual=16,group=16", "snapkv:ratio=0.5+kivi:bits=4,residual=16,group=16"]
+)
 def test_the_engine_decodes_the_same_tokens_through_the_kernel(spec, monkeypatch):
     """The engine's compressed blocks (codes read from the block pool as one part per sequence) go through the
     kernel too; continuous batching of prompts of different lengths gives the torch path's tokens."""
