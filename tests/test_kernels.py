@@ -213,10 +213,17 @@ def test_a_kernel_that_cannot_run_here_warns_once_and_reads_take_the_torch_path(
     assert not serves(torch.device("cuda"))
 
 
-def test_the_kernel_serves_gpus_with_triton_and_power_of_two_groups_of_whole_bytes():
+def test_the_kernel_serves_gpus_with_triton_and_power_of_two_groups_of_whole_bytes(monkeypatch):
     assert not kernels.fused_kernels_serve(torch.device("cpu"))
     cuda = torch.device("cuda")
     assert kernels.quantized_decode_serves(cuda, 32, 2) == kernels.triton_installed()
+    with kernels.disabled():
+        assert not kernels.fused_kernels_serve(cuda)
+    for off in ("0", "off", " False "):
+        monkeypatch.setenv("KVOPT_FUSED_KERNELS", off)
+        assert not kernels.fused_kernels_serve(cuda)
+    monkeypatch.setenv("KVOPT_FUSED_KERNELS", "1")
+    assert kernels.fused_kernels_serve(cuda) == kernels.triton_installed()
     assert not kernels.quantized_decode_serves(cuda, 24, 4)  # not a power of two
     assert not kernels.quantized_decode_serves(cuda, 2, 2)  # 2 codes of 2 bits: not a whole byte
 

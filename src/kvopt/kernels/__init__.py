@@ -19,8 +19,10 @@ from collections.abc import Iterator
 
 import torch
 
-#: ``KVOPT_FUSED_KERNELS=0`` keeps every read on the torch path (to rule a kernel out when results differ).
+#: ``KVOPT_FUSED_KERNELS=0`` (or ``false``, ``no``, ``off``) keeps every read on the torch path (to rule a kernel
+#: out when results differ).
 ENV_SWITCH = "KVOPT_FUSED_KERNELS"
+_OFF = ("0", "false", "no", "off")
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvopt_fused_kernels", default=True)
 #: Why the kernels cannot run on this machine, once one failed to build or launch (then reads stay on torch).
 _UNAVAILABLE: list[str] = []
@@ -35,7 +37,7 @@ def triton_installed() -> bool:
 def fused_kernels_serve(device: torch.device) -> bool:
     """Whether tensors on ``device`` get the fused kernels: CUDA (or ROCm) devices with Triton installed, unless
     switched off (:func:`disabled`, or ``KVOPT_FUSED_KERNELS=0``)."""
-    if _UNAVAILABLE or not _ENABLED.get() or os.environ.get(ENV_SWITCH, "1") == "0":
+    if _UNAVAILABLE or not _ENABLED.get() or os.environ.get(ENV_SWITCH, "1").strip().lower() in _OFF:
         return False
     return device.type == "cuda" and triton_installed()
 
