@@ -38,6 +38,7 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,6 +98,36 @@ def timed_prefills(model, tokenizer, specs: list[str], lengths: list[int], repea
     return rows
 
 
+Emit = Callable[[dict], None]
+
+
+def print_row(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+class StepRows:
+    """One step's rows in :data:`ROWS`, written as each is measured: a step stopped by a time limit keeps what it
+    measured (marked ``"complete": false`` until the step ends)."""
+
+    def __init__(self, step: str, stamp: dict) -> None:
+        self.step, self.stamp, self.rows = step, stamp, []
+
+    def add(self, row: dict) -> None:
+        print_row(row)
+        self.rows.append({"step": self.step, **self.stamp, **row, "complete": False})
+        self._save()
+
+    def finish(self, rows: list[dict]) -> None:
+        self.rows = [{"step": self.step, **self.stamp, **row} for row in rows]
+        self._save()
+
+    def _save(self) -> None:
+        old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
+        ROWS.parent.mkdir(parents=True, exist_ok=True)
+        kept = [row for row in old if row["step"] != self.step]
+        ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + self.rows))
+
+
 def read_path(path: str):
     """The context a contender's reads run in: the fused kernels where they serve (``fused``), or the torch path."""
     from kvopt import kernels
@@ -105,9 +136,10 @@ def read_path(path: str):
 
 
 @torch.inference_mode()
-def kernel_decode(model, tokenizer, length: int, new_tokens: int, repeats: int) -> list[dict]:
+def kernel_decode(model, tokenizer, length: int, new_tokens: int, repeats: int, emit: Emit = print_row) -> list[dict]:
     """Decode tok/s (all rows) of :data:`KERNEL_SPECS` through the fused kernel and the torch path, and of ``full``,
-    for ``KERNEL_BATCHES`` different ``length``-token prompts decoded together; interleaved repeats."""
+    for ``KERNEL_BATCHES`` different ``length``-token prompts decoded together; interleaved repeats (each row
+    handed to ``emit`` as it is measured)."""
     rows = []
     contenders = [("full", "torch"), *((spec, path) for spec in KERNEL_SPECS for path in PATHS)]
     for batch in KERNEL_BATCHES:
@@ -119,12 +151,12 @@ def kernel_decode(model, tokenizer, length: int, new_tokens: int, repeats: int) 
                 rows.append({"method": spec, "path": path, "batch": batch, "length": length, "repeat": repeat,
                              "new_tokens": new_tokens, "decode_tok_s": round(batch * (new_tokens - 1) / seconds, 3),
                              "kv_bytes": kv_bytes})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
+                emit(rows[-1])
     return rows
 
 
 @torch.inference_mode()
-def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> list[dict]:
+def step_costs(model, tokenizer, specs: list[str], length: int, steps: int, emit: Emit = print_row) -> list[dict]:
     """Per contender after a ``length``-token prompt: wall ms per decode step (``steps`` timed), tensor operations
     dispatched in one step, and on CUDA the kernels and GPU-busy ms per step (from the profiler). Specs the fused
     kernel serves are measured through it and through the torch path."""
@@ -165,11 +197,11 @@ def step_costs(model, tokenizer, specs: list[str], length: int, steps: int) -> l
             row["kernels_per_step"] = round(sum(e.count for e in kernels) / steps, 1)
             row["busy_ms_per_step"] = round(sum(e.self_device_time_total for e in kernels) / 1e3 / steps, 3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     return rows
 
 
-def run_step(step: str, model, tokenizer, args) -> list[dict]:
+def run_step(step: str, model, tokenizer, args, emit: Emit = print_row) -> list[dict]:
     if step == "twobit":
         calibration = twobit.calibrations(model, TWOBIT)
         rows = twobit.decode_speed(model, tokenizer, TWOBIT, args.length, args.new_tokens, args.repeats)
@@ -184,13 +216,13 @@ def run_step(step: str, model, tokenizer, args) -> list[dict]:
     if step == "batch":
         return frontier.measure_batch_decode(model, tokenizer, args.repeats, args.new_tokens, args.batch)
     if step == "kernel":
-        return kernel_decode(model, tokenizer, args.length, args.new_tokens, args.repeats)
+        return kernel_decode(model, tokenizer, args.length, args.new_tokens, args.repeats, emit)
     if step == "ops":
         from kvopt.models.info import ModelInfo
 
         specs = [*TWOBIT, *frontier.decode_methods(ModelInfo.from_config(model.config), args.length)[1:]]
         specs = args.ops_specs.split(",") if args.ops_specs else specs
-        return step_costs(model, tokenizer, specs, args.length, args.ops_steps)
+        return step_costs(model, tokenizer, specs, args.length, args.ops_steps, emit)
     raise SystemExit(f"unknown step {step!r}; choose from {STEPS}")
 
 
@@ -235,7 +267,8 @@ def _kernel_table(rows: list[dict]) -> list[str]:
         return []
     first = rows[0]
     lines = [
-        f"### Decode through the fused quantized kernel (after {first['length']} tokens, {first['new_tokens']} decoded)",
+        f"### Decode through the fused quantized kernel (after {first['length']} tokens, "
+        f"{first['new_tokens']} decoded)",
         "", "The quantized parts read by one Triton kernel per layer (`kvopt/kernels/quantized_attention.py`) or "
         "by the torch path (`kvopt.kernels.disabled()`: dequantize, then attend); tok/s over all rows, medians.", "",
         "| batch | method | fused tok/s | torch path tok/s | fused vs torch | fused vs `full` | KV held |",
@@ -256,7 +289,7 @@ def _kernel_table(rows: list[dict]) -> list[str]:
                      f"{fused / torch_path:.2f}x" if fused and torch_path else "-",
                      f"{(fused or torch_path) / full:.2f}x" if full else "-"]  # fmt: skip
             lines.append(f"| {batch} | `{spec}` | {' | '.join(cells)} | {held[spec] / 1e6:.0f} MB |")
-    return [*lines, ""]
+    return [*lines, "", *_notes(rows)]
 
 
 def _ops_table(rows: list[dict]) -> list[str]:
@@ -299,8 +332,11 @@ def _speed_table(title: str, rows: list[dict], key: str, base: str) -> list[str]
 
 
 def _notes(rows: list[dict]) -> list[str]:
-    """The rows' notes (what a row measured that its table does not say), once each, under the table."""
+    """The rows' notes (what a row measured that its table does not say), once each, under the table; and whether
+    the step was stopped by its time limit before its last contender."""
     notes = dict.fromkeys(row["note"] for row in rows if row.get("note"))
+    if any(row.get("complete") is False for row in rows):
+        notes["the step was stopped by its time limit after these rows"] = None
     return [*(f"Note: {note}." for note in notes), *([""] if notes else [])]
 
 
@@ -331,19 +367,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="prompts decoded together (batch step)")
     parser.add_argument("--ops-steps", type=int, default=16, help="decode steps timed and profiled (ops step)")
-    parser.add_argument("--ops-specs", help="comma-separated contenders of the ops step (default: twobit's and rocket's)")
+    parser.add_argument("--ops-specs", help="comma-separated contenders of the ops step (default: twobit's, rocket's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     model, tokenizer = kvopt.load_model(device=device)
     stamp = {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
              "model": MODEL, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     for step in args.steps.split(","):
-        began = time.perf_counter()
-        new = [{"step": step, **stamp, **row} for row in run_step(step, model, tokenizer, args)]
+        began, rows = time.perf_counter(), StepRows(step, stamp)
+        rows.finish(run_step(step, model, tokenizer, args, rows.add))
         print(f"{step}: {time.perf_counter() - began:.0f} s", flush=True)
-        old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-        ROWS.parent.mkdir(parents=True, exist_ok=True)
-        ROWS.write_text("".join(json.dumps(row) + "\n" for row in [r for r in old if r["step"] != step] + new))
     print(render([json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]))
 
 
