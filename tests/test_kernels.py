@@ -47,7 +47,8 @@ def encoded(shape, bits: int, key_mode: str, seed: int = 0) -> tuple[QuantizedKV
     return part, torch.randn(batch, kv_heads * query_group, 1, dim, generator=generator)
 
 
-def on(part: QuantizedKV, device: torch.device) -> tuple[tuple, tuple]:
+def packed_on(part: QuantizedKV, device: torch.device) -> tuple[tuple, tuple]:
+    """The part's packed keys and values, each ``(codes, scale, zero)``, on ``device``."""
     return tuple(tuple(t.to(device) for t in (p.codes, p.scale, p.zero)) for p in (part.keys, part.values))
 
 
@@ -58,7 +59,7 @@ def on(part: QuantizedKV, device: torch.device) -> tuple[tuple, tuple]:
 def test_fused_decode_equals_the_block_by_block_reference(shape, key_mode, bits, splits):
     part, query = encoded(shape, bits, key_mode)
     expected_output, expected_lse = part.attend(query, torch.tensor([shape[-1]]), 0.125)
-    keys, values = on(part, DEVICE)
+    keys, values = packed_on(part, DEVICE)
     output, lse = quantized_attention.decode(query.to(DEVICE), keys, values, bits, shape[4], 0.125, splits=splits)
     torch.testing.assert_close(output.cpu().unsqueeze(2), expected_output, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().unsqueeze(2), expected_lse, atol=2e-5, rtol=1e-5)
@@ -79,7 +80,7 @@ def test_the_residual_is_read_in_the_same_launch_and_the_output_written_in_place
         attention_with_lse(query, dense_keys.float(), dense_values.float(), None, 0.125),
     ])  # fmt: skip
     layer_output = torch.zeros(shape[0], 1, query.shape[1], shape[3], dtype=dtype, device=DEVICE)
-    keys, values = on(part, DEVICE)
+    keys, values = packed_on(part, DEVICE)
     dense = (dense_keys.to(DEVICE), dense_values.to(DEVICE), None)
     output, lse = quantized_attention.decode(
         query.to(DEVICE), keys, values, 4, shape[4], 0.125, dense=dense, out=layer_output[:, 0]
@@ -112,7 +113,7 @@ def test_padding_gets_no_weight_in_the_codes_and_the_residual(per_head):
         part.attend(query, torch.tensor([tokens + 9]), 0.125),
         attention_with_lse(query, dense_keys, dense_values, dense_valid[:, :, None, :], 0.125),
     ])  # fmt: skip
-    packed_keys, packed_values = on(part, DEVICE)
+    packed_keys, packed_values = packed_on(part, DEVICE)
     dense = (dense_keys.to(DEVICE), dense_values.to(DEVICE), dense_valid.to(DEVICE))
     output, lse = quantized_attention.decode(
         query.to(DEVICE), packed_keys, packed_values, 2, group, 0.125, part.index.valid.to(DEVICE), dense, splits=4
@@ -143,7 +144,7 @@ def test_a_part_read_on_its_own_goes_through_the_kernel_when_it_serves(monkeypat
     part, query = encoded(SHAPES[1], 2, "token")
     position = torch.tensor([SHAPES[1][-1]])
     expected = part.attend(query, position, 0.125)
-    keys, values = on(part, DEVICE)
+    keys, values = packed_on(part, DEVICE)
     sources = (part.keys, part.values)
     codes = [quant.QuantizedGroups(*packed, 2, source.dim) for packed, source in zip((keys, values), sources)]
     part = QuantizedKV(*codes, part.index, part.group, part.key_mode, part.dtype)
