@@ -36,7 +36,7 @@ from kvopt.cache import prerope
 from kvopt.cache.attention import attention_with_lse, attention_with_shared_sums, merge_with_lse, visibility
 from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
-from kvopt.cache.quant import workspace
+from kvopt.cache.quant import records_gradients, workspace
 from kvopt.cache.quantized import block_elements
 
 #: Bits of a non-uniform code.
@@ -471,7 +471,7 @@ class NonUniformKV:
         per_token = batch * max(heads * query.shape[-1], query.shape[1] * query.shape[2])  # keys, or weights
         step = max(block_elements(query.device) // per_token // group, 1) * group
         sees_all = query_positions.numel() == 1 and self.index.valid is None
-        into = None if torch.is_grad_enabled() and query.requires_grad else "nonuniform"
+        into = None if records_gradients(query) else "nonuniform"
         source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None
         chained = self.feeds or self.predictor is not None
         if chained:

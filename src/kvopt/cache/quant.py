@@ -81,6 +81,12 @@ def _convert(codes: torch.Tensor, shape: list[int], dtype: torch.dtype, name: st
 _WORKSPACES = threading.local()
 
 
+def records_gradients(tensor: torch.Tensor) -> bool:
+    """Whether autograd records what is computed from ``tensor`` here: the backward pass then keeps each
+    intermediate, so reads may neither reuse :func:`workspace` buffers nor go through forward-only kernels."""
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
 def workspace(name: str, shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reusable buffer of ``shape`` (contents undefined), one per name, dtype, device and thread.
 

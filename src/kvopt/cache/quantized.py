@@ -149,7 +149,7 @@ class QuantizedKV:
         # One query sees every stored real token: no positions needed (they are older than it).
         sees_all = query_positions.numel() == 1 and self.index.valid is None
         # Autograd keeps each block's keys for the backward pass: then blocks get their own memory.
-        into = None if torch.is_grad_enabled() and query.requires_grad else "attend"
+        into = None if quant.records_gradients(query) else "attend"
         parts = []
         batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
         per_token = batch * heads * channel_groups * channels
@@ -167,7 +167,7 @@ class QuantizedKV:
         reads."""
         return (
             query_positions.numel() == 1 and softcap is None
-            and not (torch.is_grad_enabled() and query.requires_grad)
+            and not quant.records_gradients(query)
             and kernels.quantized_decode_serves(query.device, self.group, self.bits)
         )  # fmt: skip
 
