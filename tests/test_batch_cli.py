@@ -46,6 +46,24 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
     assert "prefix_cache_queries_total" in stderr and "wrote 6 results" in stderr
 
 
+def test_batch_with_speculation_writes_what_plain_decoding_gives(model_folder, tmp_path, monkeypatch, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"{words} {words}", "max_tokens": 12, "ignore_eos": True}) + "\n"
+                              for words in ("one two three four", "red green blue")))  # fmt: skip
+    texts = {}
+    for name, extra in (("plain", []), ("drafted", ["--speculate", "prompt_lookup:k=3,ngram=2"])):
+        out = tmp_path / f"{name}.jsonl"
+        code, stderr = run([str(source), "-o", str(out), "--model", str(model_folder), "--kv-memory", "8MB", *extra],
+                           monkeypatch, capsys)  # fmt: skip
+        assert code == 0, stderr
+        texts[name] = [json.loads(line)["response"]["choices"][0]["text"] for line in out.read_text().splitlines()]
+    assert texts["drafted"] == texts["plain"]
+    assert "spec_decode_num_accepted_tokens_total" in stderr
+    code, stderr = run([str(source), "-o", str(tmp_path / "x.jsonl"), "--model", str(model_folder), "--speculate",
+                        "draft:model=x"], monkeypatch, capsys)  # fmt: skip
+    assert code == 2 and "the engine drafts with prompt_lookup" in stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [

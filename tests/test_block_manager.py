@@ -1,4 +1,4 @@
-"""Property tests of the block manager: random allocate / append / fork / free / preempt sequences.
+"""Property tests of the block manager: random allocate / append / speculate / fork / free / preempt sequences.
 
 A model of the pool's contents (which token each slot holds) is updated the way the runner
 would write it, including copy-on-write copies, so the invariants cover correctness (every
@@ -32,16 +32,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    def _compute(self, seq: Sequence, count: int) -> None:
-        """What the runner does: make the pending copies, write the new tokens' slots, then cache full blocks."""
+    def _write(self, seq: Sequence, count: int) -> None:
+        """What the runner does: make the pending copies, then write the slots of the step's tokens (drafts too)."""
         for source, destination in self.manager.pending_copies:
             for offset in range(BLOCK_SIZE):
                 if source * BLOCK_SIZE + offset in self.slots:
                     self.slots[destination * BLOCK_SIZE + offset] = self.slots[source * BLOCK_SIZE + offset]
         self.manager.pending_copies.clear()
-        for position in range(seq.num_computed_tokens, seq.num_computed_tokens + count):
+        first = seq.num_computed_tokens
+        for position, token in zip(range(first, first + count), seq.step_token_ids(count)):
             block = seq.block_table[position // BLOCK_SIZE]
-            self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = seq.token_ids[position]
+            self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = token
+
+    def _compute(self, seq: Sequence, count: int) -> None:
+        self._write(seq, count)
         seq.num_computed_tokens += count
         self.manager.cache_full_blocks(seq)
 
@@ -70,6 +74,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.live.remove(seq)
             self.manager.free(seq)
             self._admit(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 2), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+          accepted=st.integers(0, 6))  # fmt: skip
+    def speculate(self, data, token, drafts, accepted):
+        """A decode step with drafts (speculative decoding): the newest token and the drafts are written, the first
+        ``accepted`` drafts are kept, and the blocks that held only rejected ones are given back."""
+        seq = data.draw(st.sampled_from(self.live))
+        seq.token_ids.append(token)
+        seq.draft_token_ids = drafts
+        if not self.manager.allocate_slots(seq, 1 + len(drafts)):  # the scheduler then tries without drafts
+            seq.token_ids.pop()
+            seq.draft_token_ids = []
+            return
+        self._write(seq, 1 + len(drafts))
+        accepted = min(accepted, len(drafts))
+        seq.token_ids.extend(drafts[:accepted])
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += 1 + accepted
+        self.manager.release_surplus(seq, seq.num_computed_tokens)
+        self.manager.cache_full_blocks(seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -37,15 +37,20 @@ def test_method_makes_no_tensor_on_the_default_device(spec, arch):
     assert torch.equal(tokens, expected) and all(torch.isfinite(step).all() for step in logits)
 
 
-@pytest.mark.parametrize("spec", ["full", "kivi:bits=2,residual=16,group=16", "snapkv:ratio=0.5", "adakv:ratio=0.5"])
-def test_engine_makes_no_tensor_on_the_default_device(spec):
+@pytest.mark.parametrize(
+    ("spec", "speculate"),
+    [("full", None), ("kivi:bits=2,residual=16,group=16", None), ("snapkv:ratio=0.5", None),
+     ("adakv:ratio=0.5", None), ("full", "prompt_lookup:k=3,ngram=1")],
+)  # fmt: skip
+def test_engine_makes_no_tensor_on_the_default_device(spec, speculate):
     model = tiny_model("llama")
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() for n in (5, 33, 60)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    expected = LLM(model, kv_method=spec, kv_memory="4MB").generate(prompts, params, use_tqdm=False)
+    options = dict(kv_method=spec, kv_memory="4MB", speculate=speculate)
+    expected = LLM(model, **options).generate(prompts, params, use_tqdm=False)
     with torch.device("meta"):
-        got = LLM(model, kv_method=spec, kv_memory="4MB").generate(prompts, params, use_tqdm=False)
+        got = LLM(model, **options).generate(prompts, params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in got] == [out.outputs[0].token_ids for out in expected]
 
 

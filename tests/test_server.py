@@ -285,6 +285,20 @@ def test_metrics_parse_and_count_completed_requests(server, client):
         assert () in after[f"kvopt:{gauge}"], gauge
 
 
+def test_a_speculating_server_returns_what_plain_decoding_gives(make_server, reference):
+    server = make_server(speculate="prompt_lookup:k=4,ngram=2")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    prompt = f"{PROMPT} {PROMPT}"
+    expected = reference.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].text
+    options = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(**options).choices[0].text == expected
+    streamed = client.completions.create(**options, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    counted = metrics(server)
+    assert counted["kvopt:spec_decode_num_draft_tokens_total"][()] > 0
+    assert counted["kvopt:generation_tokens_total"][()] == 48
+
+
 def test_health_is_503_while_the_model_loads(make_server, tiny_with_tokenizer):
     model, tokenizer = tiny_with_tokenizer
     gate = threading.Event()

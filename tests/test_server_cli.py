@@ -36,6 +36,7 @@ def run(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
         (["--port", "70000"], "--port"),
         (["--threads", "0"], "--threads"),
         (["--device", "cuda:99"], "device 'cuda:99' is not on this machine"),
+        (["--speculate", "self:layers=2"], "the engine drafts with prompt_lookup"),
     ],
 )
 def test_bad_settings_fail_before_listening(args, fragment, monkeypatch, capsys):

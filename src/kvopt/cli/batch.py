@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from kvopt.cli.options import DeviceOption, ModelOption
+from kvopt.cli.options import DeviceOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
 from kvopt.errors import KVOptError
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "n", "seed", "logprobs", "ignore_eos",
@@ -79,6 +79,8 @@ def batch(
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="print the engine's metrics at the end")] = True,
     device: DeviceOption = "auto",
+    speculate: EngineSpeculateOption = None,
+    speculate_max_batch: SpeculateMaxBatchOption = None,
 ) -> None:
     """Run a JSONL file of requests through the serving engine (continuous batching, prefix caching)."""
     from rich.console import Console
@@ -88,7 +90,8 @@ def batch(
     from kvopt.engine import LLM
 
     llm = LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, enable_prefix_caching=prefix_caching,
-              max_num_seqs=max_num_seqs, device=device)  # fmt: skip
+              max_num_seqs=max_num_seqs, device=device, speculate=speculate,
+              speculate_max_batch=speculate_max_batch)  # fmt: skip
     prompts = [r["prompt"] if r["prompt"] is not None else llm.chat_prompt(r["messages"]) for r in requests]
     outputs = llm.generate(prompts, [r["params"] for r in requests])
     with output.open("w") as sink:

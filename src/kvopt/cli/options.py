@@ -16,3 +16,15 @@ DeviceOption = Annotated[
     typer.Option(help="where the model runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda, cuda:N "
                       "or mps"),
 ]  # fmt: skip
+
+EngineSpeculateOption = Annotated[
+    Optional[str],
+    typer.Option("--speculate", help="speculative decoding of lossless sequences: prompt_lookup:k=4,ngram=3 (up to k "
+                                     "tokens drafted from earlier text per step, checked in the same forward pass)"),
+]  # fmt: skip
+
+SpeculateMaxBatchOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="draft only while at most this many sequences run; default: 2 on a CPU (where larger "
+                             "batches are compute-bound), any number on a GPU"),
+]  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption, ModelOption
+from kvopt.cli.options import DeviceOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
 
 
 def serve(
@@ -39,6 +39,8 @@ def serve(
     kv_tier: Annotated[Optional[list[str]], typer.Option(help="a KV tier beyond the pool, fastest first, repeatable: "
                                                          "cpu:4GB, disk:PATH:20GB, redis://HOST:PORT/0?max=1GB")] = None,
     kv_tier_encoding: Annotated[str, typer.Option(help="codec of tier entries: raw, int8, int4 or cachegen")] = "raw",
+    speculate: EngineSpeculateOption = None,
+    speculate_max_batch: SpeculateMaxBatchOption = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
     from kvopt.engine import EngineConfig
@@ -50,7 +52,8 @@ def serve(
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     resolve_device(device)
-    EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                 speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
     tiers = tuple(kv_tier or ())
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
         tier_spec(spec)
@@ -64,7 +67,8 @@ def serve(
             torch.set_num_threads(threads)
         return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype, device=device,
                    enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding).engine  # fmt: skip
+                   kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding, speculate=speculate,
+                   speculate_max_batch=speculate_max_batch).engine  # fmt: skip
 
     settings = ServerSettings(
         served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,

@@ -161,6 +161,13 @@ class BlockManager:
         seq.code_table.clear()
         seq.num_computed_tokens = 0
 
+    def release_surplus(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks beyond those ``num_tokens`` tokens fill (they held rejected drafts)."""
+        keep = self.blocks_needed(num_tokens)
+        surplus = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        self.release(reversed(surplus))
+
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; those no sequence holds join the free queue (in this order)."""
         for block_id in block_ids:

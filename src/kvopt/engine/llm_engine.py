@@ -2,6 +2,12 @@
 
 A server drives it from its event loop (``add_request`` / ``abort`` / ``step``);
 :class:`kvopt.LLM` drives it in a loop for offline batches.
+
+Speculative decoding (``EngineConfig.speculate``): a sequence's drafts are computed in the step that computes
+its newest token, so one forward pass both scores the drafts and gives the token after the last accepted
+one. The keys and values of rejected drafts sit in slots past the sequence's computed tokens, where the
+next step overwrites them (blocks that held only those are given back); prefix-cache hashes only ever
+name computed tokens.
 """
 
 from __future__ import annotations
@@ -19,14 +25,14 @@ from kvopt.cache.paged_compressed import CodeFormat, CompressedKV
 from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
-from kvopt.engine.config import EngineConfig, EngineConfigError, parse_memory
+from kvopt.engine.config import CPU_SPECULATE_MAX_BATCH, EngineConfig, EngineConfigError, parse_memory
 from kvopt.engine.detokenizer import IncrementalDetokenizer
 from kvopt.engine.metrics import EngineStats
 from kvopt.engine.model_runner import ModelRunner
 from kvopt.engine.offload import KVOffload
 from kvopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvopt.engine.sampling_params import SamplingParams
-from kvopt.engine.scheduler import Scheduler
+from kvopt.engine.scheduler import Drafting, Scheduler
 from kvopt.engine.sequence import Sequence
 from kvopt.codec.fingerprint import model_fingerprint
 from kvopt.errors import KVOptError
@@ -101,7 +107,7 @@ class LLMEngine:
         if config.kv_tiers:
             self.offload = KVOffload.from_specs(config.kv_tiers, model, self.runner.pool, self.block_manager,
                                                 self.fingerprint, config.kv_tier_encoding)  # fmt: skip
-        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload)
+        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload, self._drafting(device))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stop_token_ids = _eos_ids(model, tokenizer)
@@ -109,6 +115,17 @@ class LLMEngine:
         self.generator.seed()  # its own nondeterministic seed; the process-wide generator is left alone
         self._seq_ids = itertools.count()
         self._failed: list[RequestOutput] = []
+
+    def _drafting(self, device: torch.device) -> Drafting | None:
+        """Speculative decoding as configured (None without ``speculate``); on a CPU, by default only while at most
+        :data:`~kvopt.engine.config.CPU_SPECULATE_MAX_BATCH` sequences run."""
+        proposer = self.config.proposer()
+        if proposer is None:
+            return None
+        limit = self.config.speculate_max_batch
+        if limit is None and device.type == "cpu":
+            limit = CPU_SPECULATE_MAX_BATCH
+        return Drafting(proposer, limit, self.max_model_len)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
@@ -235,40 +252,62 @@ class LLMEngine:
             return outputs
         sampled = self._compute(batch) if batch.seqs else []
         for seq, logits in batch.restored:  # compressed prompts found in the KV tiers: their stored logits
-            sampled.append((seq, logits[None], sampler.sample(logits[None], [seq], self.generator)[0]))
+            sampled.append((seq, logits[None], sampler.sample(logits[None], [seq], self.generator)))
         now = time.perf_counter()
         touched: dict[str, Request] = {}
-        for seq, logits, token in sampled:
+        for seq, logits, tokens in sampled:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             if self.offload is not None and seq.kv is not None and seq.num_output_tokens == 0:
                 self.offload.save_state(seq, logits[0])  # its prompt's one-pass prefill just ended
             if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
                 self._fork(request, seq, logits)
-            self._append(request, seq, token, logits, now)
+            self._emit(request, seq, tokens, logits, now)
         for request in touched.values():
             outputs.append(self._output(request))
             if request.finished:
                 self._finish_request(request)
         return outputs
 
-    def _compute(self, batch) -> list[tuple[Sequence, torch.Tensor, int]]:
-        """The batch's forward pass: ``(sequence, its logits [1, vocab], sampled token)`` of those that sample."""
+    def _compute(self, batch) -> list[tuple[Sequence, torch.Tensor, list[int]]]:
+        """The batch's forward pass: ``(sequence, its logits [tokens, vocab], the tokens it emits)`` of those that
+        sample (one token, or the drafts the model accepted and one of its own)."""
         started = time.perf_counter()
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         logits = self.runner.run(batch, copies)
         sampling = [seq for index, seq in enumerate(batch.seqs) if batch.samples(index)]
-        tokens = sampler.sample(logits, sampling, self.generator)  # before committing: a failure changes nothing
+        emitted = self._sample(logits, sampling)  # before committing: a failure changes nothing
+        rows = logits.split([len(seq.draft_token_ids) + 1 for seq in sampling])
+        accepted = {seq.seq_id: len(tokens) - 1 for seq, tokens in zip(sampling, emitted)}
         for seq, count in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += count
+            drafts = len(seq.draft_token_ids)
+            seq.num_computed_tokens += count - drafts  # accepted drafts count as they are emitted (_emit)
+            seq.draft_token_ids = []
             if seq.kv is None:
+                if drafts:  # blocks past the next token's held only drafts the model rejected
+                    self.block_manager.release_surplus(seq, seq.num_computed_tokens + accepted[seq.seq_id] + 1)
                 self.block_manager.cache_full_blocks(seq)
             else:
                 layout = seq.kv.commit()
                 seq.block_table, seq.code_table = layout.block_table, layout.code_table
                 self.block_manager.release(layout.freed)
         self.stats.busy_seconds += time.perf_counter() - started
-        return list(zip(sampling, logits.split(1), tokens))
+        return list(zip(sampling, rows, emitted))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's tokens from its rows of ``logits`` (one row each, plus one per draft): sequences without
+        drafts sample together; drafts are verified per sequence (:func:`sampler.verify_drafts`)."""
+        if not any(seq.draft_token_ids for seq in seqs):
+            return [[token] for token in sampler.sample(logits, seqs, self.generator)]
+        emitted = []
+        for seq, rows in zip(seqs, logits.split([len(seq.draft_token_ids) + 1 for seq in seqs])):
+            if not seq.draft_token_ids:
+                emitted.append(sampler.sample(rows, [seq], self.generator))
+                continue
+            emitted.append(sampler.verify_drafts(rows, seq, self.generator))
+            self.stats.speculation.record(len(seq.draft_token_ids), len(emitted[-1]) - 1)
+            self.scheduler.drafting.verified(seq, len(seq.draft_token_ids), len(emitted[-1]) - 1)
+        return emitted
 
     def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> None:
         """Parallel sampling: ``n - 1`` siblings share the prompt's blocks and draw their own first token."""
@@ -280,6 +319,18 @@ class LLMEngine:
             self.scheduler.running.append(child)
             token = sampler.sample(logits, [child], self.generator)[0]
             self._append(request, child, token, logits, time.perf_counter())
+
+    def _emit(self, request: Request, seq: Sequence, tokens: list[int], logits: torch.Tensor, now: float) -> None:
+        """Append the step's tokens (``logits``: a row each) until one ends the sequence. Each token but the last
+        is an accepted draft whose keys and values this step wrote: it counts as computed once the next is out."""
+        for position, token in enumerate(tokens):
+            if position:
+                seq.num_computed_tokens += 1
+            self._append(request, seq, token, logits[position : position + 1], now)
+            if seq.is_finished:
+                return
+        if len(tokens) > 1:
+            self.block_manager.cache_full_blocks(seq)
 
     def _append(self, request: Request, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> None:
         seq.append_token(token, now)
@@ -375,6 +426,9 @@ class LLMEngine:
             "time_to_first_token_seconds": stats.ttft.snapshot(),
             "inter_token_latency_seconds": stats.itl.snapshot(),
             "e2e_request_latency_seconds": stats.e2e.snapshot(),
+            "spec_decode_num_drafts_total": stats.speculation.drafts,
+            "spec_decode_num_draft_tokens_total": stats.speculation.draft_tokens,
+            "spec_decode_num_accepted_tokens_total": stats.speculation.accepted_tokens,
             "kv_tiers": self.offload.metrics() if self.offload is not None else {},
         }
 

@@ -53,6 +53,22 @@ class Histogram:
 
 
 @dataclass
+class SpeculationStats:
+    """Speculative decoding's drafts (vLLM's ``spec_decode_*`` counters): acceptance rate is
+    ``accepted_tokens / draft_tokens``; tokens per verified step ``1 + accepted_tokens / drafts``."""
+
+    #: Steps of a sequence that verified drafts, the tokens drafted, and those the model accepted.
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+
+@dataclass
 class EngineStats:
     """What the engine counts as it runs (the scheduler and block manager report the rest)."""
 
@@ -63,3 +79,4 @@ class EngineStats:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)

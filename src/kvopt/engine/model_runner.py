@@ -50,7 +50,8 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Compute the batch's tokens; returns fp32 logits ``[sampling sequences, vocab]`` in batch order."""
+        """Compute the batch's tokens; returns fp32 logits in batch order: for each sequence that samples, one row
+        per draft plus one (``[rows, vocab]``)."""
         self.pool.copy_blocks(copies)
         ids, positions, new_slots, logit_rows, sequences, compressed, stored_rows = [], [], [], [], [], [], []
         headwise = []
@@ -58,10 +59,10 @@ class ModelRunner:
         row = 0
         for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_tokens)):
             first = seq.num_computed_tokens
-            ids.extend(seq.token_ids[first : first + count])
+            ids.extend(seq.step_token_ids(count))
             positions.extend(range(first, first + count))
-            if batch.samples(index):
-                logit_rows.append(row + count - 1)
+            if batch.samples(index):  # the newest token's row, and each draft's (verification reads them all)
+                logit_rows.extend(range(row + count - 1 - len(seq.draft_token_ids), row + count))
             if isinstance(seq.kv, HeadwiseKV):  # stores and attends itself, from head blocks anywhere in its blocks
                 headwise.append(HeadwiseStep(seq.kv, row, row + count, first, list(seq.block_table)))
                 row += count

@@ -1,10 +1,14 @@
-"""Next tokens from the last positions' logits: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Next tokens from the last positions' logits: greedy, temperature, top-k, top-p, per-request seeds; drafts
+verified (speculative decoding)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvopt.engine.sequence import Sequence
+from kvopt.speculative.verify import verify
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
@@ -22,6 +26,34 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         probs = _filtered_probs(host[index], params.temperature, params.top_k, params.top_p)
         tokens[row] = int(torch.multinomial(probs, 1, generator=seqs[row].generator or default_generator))
     return tokens
+
+
+def verify_drafts(logits: torch.Tensor, seq: Sequence, default_generator: torch.Generator) -> list[int]:
+    """The tokens ``seq`` emits from its step's logits ``[drafts + 1, vocab]`` (fp32): the drafts its own choices
+    agree with, then one token of its own (:func:`kvopt.speculative.verify.verify`: greedy output equals plain
+    decoding; sampled tokens are distributed as plain sampling draws them, by the standard acceptance rule)."""
+    params, drafts = seq.params, seq.draft_token_ids
+    draws = _Draws(params.greedy, seq.generator or default_generator)
+    if params.greedy:
+        target = logits  # only the argmax is read
+    else:
+        host = logits.cpu()
+        target = torch.stack([_filtered_probs(row, params.temperature, params.top_k, params.top_p) for row in host])
+    accepted, token = verify(draws, target, drafts, None)
+    return [*drafts[:accepted], token]
+
+
+@dataclass(slots=True)
+class _Draws:
+    """One sequence's sampling as verification reads it: greedy or not, its random stream, one draw."""
+
+    greedy: bool
+    generator: torch.Generator
+
+    def draw(self, probs: torch.Tensor) -> int:
+        if self.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

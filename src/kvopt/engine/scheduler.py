@@ -13,7 +13,9 @@ A compressed sequence (:mod:`kvopt.cache.paged_compressed`) computes its prompt 
 that its methods see the whole prompt as in ``generate`` (one such prompt per step may exceed the
 token budget), and gets blocks only for what its methods keep; one whose prompt's state is found in
 the KV tiers gets blocks for that state and computes nothing (its first token is sampled from the
-stored logits).
+stored logits). With ``speculate``, a decoding lossless sequence carries the tokens its proposer drafts
+after its newest one: they are computed in the same step (within the token budget, ``max_tokens`` and the
+context), and are the first thing given up when blocks run out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
 from kvopt.engine.offload import KVOffload
 from kvopt.engine.sequence import Sequence, SequenceStatus
+from kvopt.speculative.control import DraftPace
+from kvopt.speculative.lookup import PromptLookup
 
 
 class Swapper(Protocol):
@@ -57,9 +61,9 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
     def samples(self, index: int) -> bool:
-        """Whether sequence ``index`` reaches its newest token this step (so a token is sampled)."""
+        """Whether sequence ``index`` reaches its newest token (and its drafts) this step, so a token is sampled."""
         seq = self.seqs[index]
-        return seq.num_computed_tokens + self.num_tokens[index] == len(seq)
+        return seq.num_computed_tokens + self.num_tokens[index] == len(seq) + len(seq.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -72,10 +76,40 @@ class SwappedBlocks:
     num_table_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class Drafting:
+    """Speculative decoding as the scheduler runs it: the proposer, the most running sequences that still draft
+    (None: any number; beyond it a step's extra tokens cost more than they save on a compute-bound device), and
+    the longest a sequence may grow."""
+
+    proposer: PromptLookup
+    max_batch: int | None
+    max_model_len: int
+
+    def drafts(self, seq: Sequence, budget: int, running: int) -> list[int]:
+        """Tokens drafted after ``seq``'s newest one: only for a lossless sequence that decodes among at most
+        ``max_batch`` running ones, and no more than its budget, ``max_tokens`` and the context could still take."""
+        if seq.kv is not None or seq.num_uncomputed_tokens != 1 or running > (self.max_batch or running):
+            return []
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        if room < 1:
+            return []
+        if seq.draft_pace is None:
+            seq.draft_pace = DraftPace(self.proposer.k)
+        length = min(room, seq.draft_pace.next_length())
+        return self.proposer.propose(seq.token_ids, length)[0] if length > 0 else []
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Let ``seq``'s drafting follow what the model accepted (:class:`~kvopt.speculative.control.DraftPace`)."""
+        seq.draft_pace.after_verification(self.proposer.k, drafted, accepted)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None,
-                 offload: KVOffload | None = None) -> None:  # fmt: skip
+                 offload: KVOffload | None = None, drafting: Drafting | None = None) -> None:  # fmt: skip
         self.config = config
+        #: Speculative decoding (None: one token per step).
+        self.drafting = drafting
         self.block_manager = block_manager
         self.swapper = swapper
         #: The KV tiers beyond the pool, if any: finished requests' blocks go there, prompts look there too.
@@ -120,8 +154,13 @@ class Scheduler:
         preempted, index = False, 0
         while index < len(self.running) and budget > 0 and len(batch.seqs) < self.config.max_num_seqs:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            seq.draft_token_ids = self.drafting.drafts(seq, budget, len(self.running)) if self.drafting else []
+            num_tokens = min(seq.num_uncomputed_tokens, budget) + len(seq.draft_token_ids)
             while not self.block_manager.allocate_slots(seq, num_tokens):
+                if seq.draft_token_ids:  # drafts are the first thing to give up when blocks run out
+                    num_tokens -= len(seq.draft_token_ids)
+                    seq.draft_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -220,6 +259,7 @@ class Scheduler:
         """Free ``seq``'s blocks: swapped to host memory in ``swap`` mode (exact: it continues as if never
         preempted), else recomputed later (a compressed sequence's methods then compress prompt and output anew)."""
         self.num_preemptions += 1
+        seq.draft_token_ids = []
         swap = self.config.preemption_mode == "swap" and self.swapper is not None
         if swap and seq.num_computed_tokens:
             held = seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)]

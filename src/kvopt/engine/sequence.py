@@ -10,6 +10,7 @@ import torch
 from kvopt.cache.paged_compressed import CompressedKV, PromptState
 from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine.sampling_params import SamplingParams
+from kvopt.speculative.control import DraftPace
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,11 @@ class Sequence:
     last_token_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    #: Tokens guessed after the newest one for this step (speculative decoding): computed with it, kept only as
+    #: far as the model's own choices agree (never part of ``token_ids`` until then).
+    draft_token_ids: list[int] = field(default_factory=list)
+    #: How much to draft next, following what the model accepted (None until the first draft).
+    draft_pace: DraftPace | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -87,6 +93,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def step_token_ids(self, count: int) -> list[int]:
+        """The ``count`` tokens this step computes: the first uncomputed ones, then the drafts."""
+        first = self.num_computed_tokens
+        own = self.token_ids[first : first + count]
+        return own + self.draft_token_ids[: count - len(own)] if len(own) < count else own
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)

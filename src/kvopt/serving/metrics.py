@@ -38,6 +38,9 @@ COUNTERS = {
     "num_preemptions": "Sequences preempted (recomputed or swapped out) for lack of KV blocks.",
     "prompt_tokens": "Prompt tokens prefilled.",
     "generation_tokens": "Tokens generated.",
+    "spec_decode_num_drafts": "Sequence steps that verified drafted tokens (speculative decoding).",
+    "spec_decode_num_draft_tokens": "Tokens drafted for verification (speculative decoding).",
+    "spec_decode_num_accepted_tokens": "Drafted tokens the model accepted (speculative decoding).",
 }
 
 

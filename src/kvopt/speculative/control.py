@@ -49,12 +49,44 @@ class DraftControl:
     def after_round(self, proposed: int, accepted: int, seconds: float) -> None:
         if not self.adaptive:
             return
-        self.length = min(self.k, self.length + 1) if accepted == proposed else max(1, self.length - 1)
+        self.length = followed_length(self.length, self.k, proposed, accepted)
         self.round_rate = _average(self.round_rate, (accepted + 1) / seconds)
         if self.round_rate * self.step_seconds < 1:  # fewer tokens per second than plain steps
             lost_steps = seconds / self.step_seconds - (accepted + 1)
             self.pause = min(MAX_PAUSE, max(1, math.ceil(lost_steps / PROBE_OVERHEAD)))
             self.round_rate = None  # the next probe is judged on its own
+
+
+def followed_length(length: int, k: int, proposed: int, accepted: int) -> int:
+    """HF's rule: one draft more after a draft accepted whole, one fewer otherwise (between 1 and ``k``)."""
+    return min(k, length + 1) if accepted == proposed else max(1, length - 1)
+
+
+@dataclass(slots=True)
+class DraftPace:
+    """How much one sequence of a batch drafts next (the serving engine's rule, where a step's time is shared by
+    the batch and cannot be put on one sequence's drafts): the length follows acceptance (:func:`followed_length`),
+    and a draft the model rejects whole pauses drafting for 1, 2, 4, ... steps (up to ``MAX_PAUSE``; any accepted
+    token resets it), so text with nothing to copy soon decodes almost as plainly as without drafts."""
+
+    length: int
+    #: Steps to decode without drafts before the next try, and the pause the next wholly rejected draft gets.
+    pause: int = 0
+    backoff: int = 1
+
+    def next_length(self) -> int:
+        """Tokens to draft this step (0: a plain step)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.length
+
+    def after_verification(self, k: int, proposed: int, accepted: int) -> None:
+        self.length = followed_length(self.length, k, proposed, accepted)
+        if accepted:
+            self.backoff = 1
+        else:
+            self.pause, self.backoff = self.backoff, min(MAX_PAUSE, 2 * self.backoff)
 
 
 def _average(old: float | None, new: float) -> float:
