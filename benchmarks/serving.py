@@ -530,7 +530,7 @@ def _speculative_lines(rows: list[dict]) -> list[str]:
         "|---:|---|---|---:|---:|---:|",
     ]  # fmt: skip
     for row in rows:
-        accepted = f"{row['accepted']}/{row['drafted']} ({row['accepted'] / row['drafted']:.0%})" if row["drafted"] else ""
+        share = f"{row['accepted']}/{row['drafted']} ({row['accepted'] / row['drafted']:.0%})" if row["drafted"] else ""
         lines.append(f"| {row['batch']} | {row['task']} | {row['decoding']} | {row['decode_tok_s']:.1f} | "
-                     f"{row['speedup']:.2f}x | {accepted} |")  # fmt: skip
+                     f"{row['speedup']:.2f}x | {share} |")  # fmt: skip
     return lines + [""]

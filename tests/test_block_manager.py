@@ -80,7 +80,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
           accepted=st.integers(0, 6))  # fmt: skip
     def speculate(self, data, token, drafts, accepted):
         """A decode step with drafts (speculative decoding): the newest token and the drafts are written, the first
-        ``accepted`` drafts are kept, and the blocks that held only rejected ones are given back."""
+        ``accepted`` drafts are kept, and the blocks past the next token's (holding only rejected drafts) are given
+        back, as the engine does: the next token's block stays, possibly empty."""
         seq = data.draw(st.sampled_from(self.live))
         seq.token_ids.append(token)
         seq.draft_token_ids = drafts
@@ -93,7 +94,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.token_ids.extend(drafts[:accepted])
         seq.draft_token_ids = []
         seq.num_computed_tokens += 1 + accepted
-        self.manager.release_surplus(seq, seq.num_computed_tokens)
+        self.manager.release_surplus(seq, seq.num_computed_tokens + 1)
         self.manager.cache_full_blocks(seq)
 
     @precondition(lambda self: self.live)
@@ -125,8 +126,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
-        for seq in self.live:
-            assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK_SIZE)
+        for seq in self.live:  # after a step with drafts, the (empty) block the next token goes into may be held
+            computed = seq.num_computed_tokens
+            assert len(seq.block_table) in (-(-computed // BLOCK_SIZE), -(-(computed + 1) // BLOCK_SIZE))
             for position in range(seq.num_computed_tokens):
                 slot = seq.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
                 assert self.slots[slot] == seq.token_ids[position]
@@ -174,3 +176,22 @@ def test_salt_separates_caches():
         other.hash_to_block_id, other.blocks = manager.hash_to_block_id, manager.blocks
         probe = Sequence(2, "b", list(tokens_), 9, SamplingParams(), 0.0)
         assert len(other.cached_prefix(probe, other.prompt_hashes(probe))) == expected
+
+
+def test_a_fork_shares_only_the_blocks_of_computed_tokens():
+    """After a step with drafts a sequence may already hold the (empty) block its next token goes into; a fork
+    must not share it, or parent and child would both write their next token into the same slot."""
+    manager = BlockManager(6, BLOCK_SIZE)
+    parent = Sequence(1, "a", [1] * 4, 4, SamplingParams(), 0.0)
+    assert manager.allocate_slots(parent, 8)  # the newest token and 4 drafts: 2 blocks
+    parent.num_computed_tokens = 4  # every draft rejected
+    manager.release_surplus(parent, 4 + 1)  # the next token's block stays
+    assert len(parent.block_table) == 2
+    child = parent.fork(2, 1)
+    manager.fork(parent, child)
+    assert child.block_table == parent.block_table[:1]
+    for seq in (parent, child):
+        seq.token_ids.append(seq.seq_id)
+        assert manager.allocate_slots(seq, 1)
+    assert parent.block_table[1] != child.block_table[1]
+    assert [block.ref_count for block in manager.blocks if block.ref_count] == [2, 1, 1]

@@ -74,10 +74,13 @@ def test_each_accepted_draft_saves_a_step():
     model, prompts, expected = references("llama")
     plain, drafted = engine(model, speculate=None), engine(model)
     plain_steps, drafted_steps = counted_steps(plain), counted_steps(drafted)
-    for llm in (plain, drafted):
-        assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+    outputs = [llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0] for llm in (plain, drafted)]
+    assert [output.outputs[0].token_ids for output in outputs] == [expected[0]] * 2
     accepted = drafted.metrics()["spec_decode_num_accepted_tokens_total"]
     assert accepted > 0 and len(drafted_steps) == len(plain_steps) - accepted
+    # Inter-token latency: one gap per step after the first token (a step's tokens arrive together).
+    gaps = [len(output.metrics.inter_token_latencies) for output in outputs]
+    assert gaps == [NEW_TOKENS - 1, NEW_TOKENS - 1 - accepted]
 
 
 def test_on_a_cpu_only_few_running_sequences_draft_by_default():
@@ -99,6 +102,28 @@ def test_on_a_cpu_only_few_running_sequences_draft_by_default():
     assert running_when_drafting and max(running_when_drafting) == 2  # drafting began once two had finished
     with pytest.raises(EngineConfigError, match="speculate_max_batch=0 must be a positive integer"):
         EngineConfig(speculate="prompt_lookup", speculate_max_batch=0)
+
+
+def test_drafts_take_only_what_every_scheduled_token_left():
+    """With a budget of 6 tokens per step and 4 sequences decoding, every running sequence still decodes in every
+    step (drafts fill the 2 tokens left over); with 6 blocks for 4 sequences, drafts never preempt one."""
+    model, prompts, expected = references("llama")
+    llm = engine(model, max_num_batched_tokens=6, kv_memory=768 * 16 * 8, max_model_len=64)
+    core, run = llm.engine, llm.engine.runner.run
+    starved = []
+
+    def checking(batch, copies):
+        decoding = [seq for seq in core.scheduler.running if seq.num_uncomputed_tokens == 1]
+        starved.extend(seq.seq_id for seq in decoding if seq not in batch.seqs)
+        assert batch.total_tokens <= 6
+        return run(batch, copies)
+
+    core.runner.run = checking
+    short = [prompt[:5] for prompt in prompts[:4]]
+    outputs = llm.generate(short, GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(model, prompt, NEW_TOKENS) for prompt in short]
+    assert not starved and llm.metrics()["num_preemptions_total"] == 0
+    assert llm.metrics()["spec_decode_num_drafts_total"] > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -130,6 +155,18 @@ def test_drafts_respect_max_tokens_context_and_stop_tokens():
     assert_pool_empty(llm)
 
 
+def test_blocks_filled_by_drafts_in_the_last_step_are_cached():
+    """A request's last step may fill blocks with accepted drafts; they are named for the prefix cache before the
+    request's blocks are freed, so a follow-up prompt (prompt + answer + more) finds all of them."""
+    model, prompts, expected = references("llama")
+    llm = engine(model, block_size=4)
+    for prompt, answer in zip(prompts[:6], expected):
+        output = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert output.token_ids == answer
+        follow_up = llm.generate([prompt + answer + [5]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert follow_up.metrics.cached_tokens == (len(prompt) + NEW_TOKENS - 1) // 4 * 4
+
+
 def test_logprobs_of_accepted_drafts_are_the_models():
     model, prompts, _ = references("llama")
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
@@ -152,17 +189,38 @@ def test_compressed_sequences_decode_without_drafts():
     assert llm.metrics()["spec_decode_num_drafts_total"] == 0
 
 
-def test_seeded_sampling_with_drafts_is_reproducible_and_frees_blocks():
-    model, prompts, _ = references("mistral")
-    params = SamplingParams(temperature=0.8, top_k=20, seed=3, n=2, max_tokens=16, ignore_eos=True)
-    first = engine(model).generate(prompts[:4], params, use_tqdm=False)
+def test_seeded_samples_do_not_depend_on_the_batch():
+    """A seeded sampled request does not draft (whether it would depends on the batch, and drafting changes which
+    random numbers it draws), so it samples alone what it samples beside greedy requests that draft."""
+    model, prompts, expected = references("mistral")
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=16, ignore_eos=True)
+    alone = engine(model).generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     llm = engine(model)
-    second = llm.generate(prompts[:4], params, use_tqdm=False)
-    tokens = [[c.token_ids for c in out.outputs] for out in first]
-    assert tokens == [[c.token_ids for c in out.outputs] for out in second]
-    assert all(len(ids) == 16 for completions in tokens for ids in completions)
+    together = llm.generate(prompts[:4], [seeded, GREEDY, GREEDY, GREEDY], use_tqdm=False)
+    assert together[0].outputs[0].token_ids == alone and len(alone) == 16
+    assert [out.outputs[0].token_ids for out in together[1:]] == expected[1:4]
     assert llm.metrics()["spec_decode_num_drafts_total"] > 0
     assert_pool_empty(llm)
+
+
+def test_sampled_tokens_with_drafts_score_as_a_full_forward_pass_does():
+    """Each emitted token's log-probability equals the model's over prompt + output in one pass: what every step
+    attended to was the sequence's own keys and values, for parallel samples too (their last prefill chunk is one
+    token, so a request could draft before it forks) and for drafts written across blocks."""
+    model, prompts, _ = references("llama")
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    for length in (16, 32):
+        prompt = (prompts[3] * 8)[:length]
+        llm = engine(model, max_num_batched_tokens=length - 1)
+        for completion in llm.generate([prompt], params, use_tqdm=False)[0].outputs:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, length - 1 : -1]
+            expected = torch.log_softmax(logits.float(), dim=-1)
+            scored = [step[token] for step, token in zip(completion.logprobs, completion.token_ids)]
+            reference = expected[torch.arange(len(scored)), completion.token_ids].tolist()
+            assert scored == pytest.approx(reference, abs=1e-4)
+        assert llm.metrics()["spec_decode_num_drafts_total"] > 0
+        assert_pool_empty(llm)
 
 
 def test_verified_samples_keep_the_models_distribution():

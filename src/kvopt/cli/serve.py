@@ -52,8 +52,8 @@ def serve(
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     resolve_device(device)
-    EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                 speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
+    EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
+                 max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch)
     tiers = tuple(kv_tier or ())
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
         tier_spec(spec)

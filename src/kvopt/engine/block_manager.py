@@ -148,8 +148,10 @@ class BlockManager:
         self.pending_copies.append((source, destination))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (its block table is a copy of the parent's)."""
+        """``child`` (its block table a copy of the parent's) shares the blocks holding ``parent``'s computed tokens;
+        a block past them (room for the next token) stays the parent's, as writing into it copies nothing first."""
         assert child.block_table == parent.block_table
+        del child.block_table[self.blocks_needed(parent.num_computed_tokens) :]
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
 

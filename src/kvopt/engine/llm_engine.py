@@ -279,6 +279,10 @@ class LLMEngine:
         emitted = self._sample(logits, sampling)  # before committing: a failure changes nothing
         rows = logits.split([len(seq.draft_token_ids) + 1 for seq in sampling])
         accepted = {seq.seq_id: len(tokens) - 1 for seq, tokens in zip(sampling, emitted)}
+        for seq in sampling:
+            if seq.draft_token_ids:
+                self.stats.speculation.record(len(seq.draft_token_ids), accepted[seq.seq_id])
+                self.scheduler.drafting.verified(seq, len(seq.draft_token_ids), accepted[seq.seq_id])
         for seq, count in zip(batch.seqs, batch.num_tokens):
             drafts = len(seq.draft_token_ids)
             seq.num_computed_tokens += count - drafts  # accepted drafts count as they are emitted (_emit)
@@ -305,8 +309,6 @@ class LLMEngine:
                 emitted.append(sampler.sample(rows, [seq], self.generator))
                 continue
             emitted.append(sampler.verify_drafts(rows, seq, self.generator))
-            self.stats.speculation.record(len(seq.draft_token_ids), len(emitted[-1]) - 1)
-            self.scheduler.drafting.verified(seq, len(seq.draft_token_ids), len(emitted[-1]) - 1)
         return emitted
 
     def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> None:

@@ -14,8 +14,8 @@ that its methods see the whole prompt as in ``generate`` (one such prompt per st
 token budget), and gets blocks only for what its methods keep; one whose prompt's state is found in
 the KV tiers gets blocks for that state and computes nothing (its first token is sampled from the
 stored logits). With ``speculate``, a decoding lossless sequence carries the tokens its proposer drafts
-after its newest one: they are computed in the same step (within the token budget, ``max_tokens`` and the
-context), and are the first thing given up when blocks run out.
+after its newest one, computed in the same step: drafts take only the token budget and the free blocks that
+every scheduled sequence left, so they never delay a sequence or cause a preemption.
 """
 
 from __future__ import annotations
@@ -87,9 +87,15 @@ class Drafting:
     max_model_len: int
 
     def drafts(self, seq: Sequence, budget: int, running: int) -> list[int]:
-        """Tokens drafted after ``seq``'s newest one: only for a lossless sequence that decodes among at most
-        ``max_batch`` running ones, and no more than its budget, ``max_tokens`` and the context could still take."""
-        if seq.kv is not None or seq.num_uncomputed_tokens != 1 or running > (self.max_batch or running):
+        """Tokens drafted after ``seq``'s newest one, no more than its ``budget`` (counting the newest token),
+        ``max_tokens`` and the context could still take: only for a lossless sequence that decodes among at most
+        ``max_batch`` running ones. Not before a parallel-sampling request forks (its siblings share its blocks
+        from its prompt's logits), nor for a seeded sampled request (whether it drafts depends on the batch, and
+        drafting changes which random numbers it draws: its samples would too)."""
+        params = seq.params
+        if seq.kv is not None or seq.num_uncomputed_tokens != 1 or seq.width > 1:
+            return []
+        if running > (self.max_batch or running) or (params.seed is not None and not params.greedy):
             return []
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
         if room < 1:
@@ -146,7 +152,23 @@ class Scheduler:
             self._swap_in()
             if not self.swapped:  # swapped sequences return before new ones take the blocks they wait for
                 self._admit_waiting(batch, budget)
+            if self.drafting is not None:
+                self._add_drafts(batch)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch) -> None:
+        """Speculative decoding: drafts for the batch's decoding sequences, from the token budget and the free
+        blocks that every scheduled token has left (a draft never takes a sequence's turn or blocks from it)."""
+        budget = self.config.max_num_batched_tokens - batch.total_tokens
+        for index, seq in enumerate(batch.seqs):
+            seq.draft_token_ids = []
+            if budget < 1:
+                continue
+            drafts = self.drafting.drafts(seq, budget + 1, len(self.running))
+            if drafts and self.block_manager.allocate_slots(seq, batch.num_tokens[index] + len(drafts)):
+                seq.draft_token_ids = drafts
+                batch.num_tokens[index] += len(drafts)
+                budget -= len(drafts)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         """Give running sequences their next tokens, preempting from the back when blocks run out."""
@@ -154,13 +176,8 @@ class Scheduler:
         preempted, index = False, 0
         while index < len(self.running) and budget > 0 and len(batch.seqs) < self.config.max_num_seqs:
             seq = self.running[index]
-            seq.draft_token_ids = self.drafting.drafts(seq, budget, len(self.running)) if self.drafting else []
-            num_tokens = min(seq.num_uncomputed_tokens, budget) + len(seq.draft_token_ids)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
-                if seq.draft_token_ids:  # drafts are the first thing to give up when blocks run out
-                    num_tokens -= len(seq.draft_token_ids)
-                    seq.draft_token_ids = []
-                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -259,7 +276,6 @@ class Scheduler:
         """Free ``seq``'s blocks: swapped to host memory in ``swap`` mode (exact: it continues as if never
         preempted), else recomputed later (a compressed sequence's methods then compress prompt and output anew)."""
         self.num_preemptions += 1
-        seq.draft_token_ids = []
         swap = self.config.preemption_mode == "swap" and self.swapper is not None
         if swap and seq.num_computed_tokens:
             held = seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)]
@@ -287,8 +303,10 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped = deque(item for item in self.swapped if item[0] is not seq)
         if seq.block_table:
-            if self.offload is not None and seq.kv is None:
-                self.offload.save(seq)
+            if seq.kv is None:  # blocks its last step filled (accepted drafts) are named before they are freed
+                self.block_manager.cache_full_blocks(seq)
+                if self.offload is not None:
+                    self.offload.save(seq)
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -104,7 +104,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
-        else:
+        elif now != self.last_token_time:  # the tokens of one step (accepted drafts) arrive together: one gap a step
             self.inter_token_latencies.append(now - self.last_token_time)
         self.last_token_time = now
 
