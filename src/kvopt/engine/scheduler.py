@@ -97,7 +97,7 @@ class Drafting:
             return []
         if running > (self.max_batch or running) or (params.seed is not None and not params.greedy):
             return []
-        room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        room = min(budget, params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
         if room < 1:
             return []
         if seq.draft_pace is None:
@@ -152,14 +152,15 @@ class Scheduler:
             self._swap_in()
             if not self.swapped:  # swapped sequences return before new ones take the blocks they wait for
                 self._admit_waiting(batch, budget)
-            if self.drafting is not None:
-                self._add_drafts(batch)
+        if self.drafting is not None:
+            self._add_drafts(batch, preempted)
         return batch
 
-    def _add_drafts(self, batch: ScheduledBatch) -> None:
+    def _add_drafts(self, batch: ScheduledBatch, preempted: bool) -> None:
         """Speculative decoding: drafts for the batch's decoding sequences, from the token budget and the free
-        blocks that every scheduled token has left (a draft never takes a sequence's turn or blocks from it)."""
-        budget = self.config.max_num_batched_tokens - batch.total_tokens
+        blocks that every scheduled token has left (a draft never takes a sequence's turn or blocks from it); none
+        in a step that preempted (the blocks a victim freed are for the sequences it made way for)."""
+        budget = 0 if preempted else self.config.max_num_batched_tokens - batch.total_tokens
         for index, seq in enumerate(batch.seqs):
             seq.draft_token_ids = []
             if budget < 1:
