@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvopt.errors import KVOptError
@@ -32,7 +33,9 @@ class PromptLookup:
         """Nothing to set up: the drafts come from the token ids alone."""
 
     def propose(self, tokens: list[int], count: int) -> tuple[list[int], None]:
-        ids = torch.tensor(tokens, device="cpu")
+        # numpy reads a list of ints ~10x faster than torch.tensor (32k tokens: 0.4 vs 3.9 ms), a cost paid per
+        # sequence and step in the engine
+        ids = torch.from_numpy(np.fromiter(tokens, dtype=np.int64, count=len(tokens)))
         for size in range(min(self.ngram, len(tokens) - 1), 0, -1):
             windows = ids[:-1].unfold(0, size, 1)  # every n-gram that has a token after it
             matches = (windows == ids[-size:]).all(dim=1).nonzero()
