@@ -334,7 +334,7 @@ def speculative(args) -> list[dict]:
                     "prompt_tokens": sum(len(ids) for ids in texts[:batch]) // batch, "decode_tok_s": rate,
                     "speedup": rate / plain, "drafted": last["drafted"], "accepted": last["accepted"],
                     "same_tokens_as_plain": last["tokens"] == runs[-1][None]["tokens"],
-                    "threads": torch.get_num_threads(),
+                    "threads": torch.get_num_threads(), "conditions": args.conditions,
                 })  # fmt: skip
                 print(rows[-1])
     return rows
@@ -361,6 +361,7 @@ def main() -> None:
     parser.add_argument("--speculative-batches", default="1,8", help="requests decoded together, per run")
     parser.add_argument("--speculative-new", type=int, default=96)
     parser.add_argument("--speculative-repeats", type=int, default=3)
+    parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     steps = args.steps.split(",")
@@ -517,7 +518,8 @@ def _speculative_lines(rows: list[dict]) -> list[str]:
         f"`python benchmarks/serving.py --steps speculative`: greedy chat prompts submitted together, "
         f"{first['new_tokens']} new tokens each, decode tok/s from the first request's first token to the last "
         f"request's end, median of {first['repeats']} runs alternating between an engine with drafts and one without "
-        f"(same model, {first['threads']} torch thread(s)). `extract` copies three sentences out of a ~1,500-character "
+        f"(same model, {first['threads']} torch thread(s){', ' + first['conditions'] if first.get('conditions') else ''}). "
+        "`extract` copies three sentences out of a ~1,500-character "
         "passage of local real text (input-grounded); `chat` writes a short story (open-ended). Drafts are verified "
         "in the step that computes the newest token, so a row emits its accepted drafts plus one token per step; "
         "each sequence's draft length follows its acceptance and a wholly rejected draft pauses its drafting for "
