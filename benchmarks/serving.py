@@ -512,14 +512,14 @@ def _speculative_lines(rows: list[dict]) -> list[str]:
         return []
     first = rows[0]
     differ = [f"{r['task']} x{r['batch']}" for r in rows if not r["same_tokens_as_plain"]]
+    conditions = f", {first['conditions']}" if first.get("conditions") else ""
     lines = [
         f"### Speculative decoding in the engine (`speculate=\"{SPECULATE}\"`)",
         "",
         f"`python benchmarks/serving.py --steps speculative`: greedy chat prompts submitted together, "
         f"{first['new_tokens']} new tokens each, decode tok/s from the first request's first token to the last "
         f"request's end, median of {first['repeats']} runs alternating between an engine with drafts and one without "
-        f"(same model, {first['threads']} torch thread(s){', ' + first['conditions'] if first.get('conditions') else ''}"
-        "). "
+        f"(same model, {first['threads']} torch thread(s){conditions}). "
         "`extract` copies three sentences out of a ~1,500-character "
         "passage of local real text (input-grounded); `chat` writes a short story (open-ended). Drafts are verified "
         "in the step that computes the newest token, so a row emits its accepted drafts plus one token per step; "
