@@ -15,7 +15,7 @@ from tiny_models import VOCAB, tiny_model
 import kvopt
 from kvopt.errors import CacheUsageError, KVOptError
 from kvopt.speculative import DraftModel, PromptLookup, Sampler, parse_proposer
-from kvopt.speculative.control import DraftControl
+from kvopt.speculative.control import MAX_PAUSE, DraftControl, DraftPace
 from kvopt.speculative.verify import verify
 
 SPECS = [
@@ -228,6 +228,25 @@ def test_speculation_pauses_while_rounds_are_slower_than_plain_steps():
     costly.after_step(0.010)
     costly.after_round(proposed=3, accepted=0, seconds=0.0349)  # a deep self-speculative draft: ~2.5 steps lost
     assert costly.pause == 50  # probes again after 50 plain steps: 2.5 / 50 = 5% overhead
+
+
+def test_a_batched_sequence_pauses_drafting_after_wholly_rejected_drafts():
+    """The engine's per-sequence rule: length follows acceptance; a draft rejected whole pauses 1, 2, 4, ... steps
+    (at most MAX_PAUSE), and any accepted token ends the backoff."""
+    pace = DraftPace(4)
+    assert pace.next_length() == 4
+    pace.after_verification(4, proposed=4, accepted=2)  # partly accepted: one shorter, no pause
+    assert pace.next_length() == 3
+    pauses = []
+    for _ in range(10):  # nothing accepted, again and again
+        pace.after_verification(4, proposed=pace.length, accepted=0)
+        steps = 0
+        while pace.next_length() == 0:
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [1, 2, 4, 8, 16, 32, 64, 128, MAX_PAUSE, MAX_PAUSE] and pace.length == 1
+    pace.after_verification(4, proposed=1, accepted=1)  # accepted whole: one longer, the backoff starts over
+    assert (pace.next_length(), pace.backoff) == (2, 1)
 
 
 # -- bad input ------------------------------------------------------------------------------------------
