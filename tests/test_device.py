@@ -127,7 +127,8 @@ def test_method_on_the_accelerator_holds_what_it_holds_on_the_cpu(spec, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
-def test_engine_equals_hf_generate_on_the_accelerator(arch):
+@pytest.mark.parametrize("speculate", [None, "prompt_lookup:k=3,ngram=1"])
+def test_engine_equals_hf_generate_on_the_accelerator(arch, speculate):
     model = tiny_model(arch).to(DEVICE)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() for n in (5, 17, 33, 48, 60, 2)]
@@ -136,9 +137,11 @@ def test_engine_equals_hf_generate_on_the_accelerator(arch):
         out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=8, do_sample=False,
                              eos_token_id=None, pad_token_id=0)  # fmt: skip
         expected.append(out[0, len(prompt) :].tolist())
-    llm = LLM(copy.deepcopy(model), kv_memory="4MB", max_num_batched_tokens=96)
+    llm = LLM(copy.deepcopy(model), kv_memory="4MB", max_num_batched_tokens=96, speculate=speculate)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
+    if speculate:  # drafts (from any earlier token: ngram=1) verified on the accelerator
+        assert llm.metrics()["spec_decode_num_drafts_total"] > 0
 
 
 def test_seeded_sampling_draws_the_same_tokens_on_the_accelerator():
