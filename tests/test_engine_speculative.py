@@ -180,13 +180,20 @@ def test_logprobs_of_accepted_drafts_are_the_models():
 
 
 def test_compressed_sequences_decode_without_drafts():
-    model, prompts, _ = references("llama")
-    params = SamplingParams(max_tokens=12, ignore_eos=True, kv_method="kivi:bits=4,group=16,residual=16")
+    model, prompts, expected = references("llama")
+    spec = "kivi:bits=4,group=16,residual=16"
+    params = SamplingParams(max_tokens=12, ignore_eos=True, kv_method=spec)
     plain = engine(model, speculate=None).generate(prompts[:4], params, use_tqdm=False)
     llm = engine(model)
     drafted = llm.generate(prompts[:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
     assert llm.metrics()["spec_decode_num_drafts_total"] == 0
+    # An engine whose default method compresses says so at start; a request naming 'full' still drafts.
+    with pytest.warns(UserWarning, match="only requests with SamplingParams\\(kv_method='full'\\) will draft"):
+        llm = engine(model, kv_method=spec)
+    lossless = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, kv_method="full")
+    assert llm.generate(prompts[:1], lossless, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+    assert llm.metrics()["spec_decode_num_drafts_total"] > 0
 
 
 def test_seeded_samples_do_not_depend_on_the_batch():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,12 @@ class LLMEngine:
         proposer = self.config.proposer()
         if proposer is None:
             return None
+        if self._compression(self.config.kv_method) is not None:
+            warnings.warn(
+                f"speculate={self.config.speculate!r} drafts for lossless sequences only, and kv_method="
+                f"{self.config.kv_method!r} compresses every request that does not name its own kv_method: only "
+                "requests with SamplingParams(kv_method='full') will draft", UserWarning, stacklevel=4,
+            )  # fmt: skip
         limit = self.config.speculate_max_batch
         if limit is None and device.type == "cpu":
             limit = CPU_SPECULATE_MAX_BATCH
