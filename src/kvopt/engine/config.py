@@ -18,8 +18,8 @@ _UNITS = {
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
 #: On a CPU a step computing more tokens costs nearly proportionally more once a few sequences decode together:
-#: with prompt-lookup drafts the default model decoded 2.4x / 2.7x faster than without with 1 / 2 sequences on an
-#: input-grounded task, 0.93x with 4 and 0.86x with 8 (BENCHMARKS.md, "Speculative decoding in the engine").
+#: with prompt-lookup drafts the default model decoded 2.4x / 2.9x faster than without with 1 / 2 sequences on an
+#: input-grounded task, 1.03x with 4 and 0.92x with 8 (BENCHMARKS.md, "Speculative decoding in the engine").
 CPU_SPECULATE_MAX_BATCH = 2
 
 
