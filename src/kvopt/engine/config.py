@@ -58,10 +58,13 @@ class EngineConfig:
     speculate_max_batch: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "speculate_max_batch")
-        for name in positive:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        optional = ("speculate_max_batch",)  # positive when given
+        for name in positive + optional:
             value = getattr(self, name)
-            if (value is not None or name != "speculate_max_batch") and (not isinstance(value, int) or value < 1):
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} must be a positive integer")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise EngineConfigError(f"max_model_len={self.max_model_len} must be at least 2 tokens")

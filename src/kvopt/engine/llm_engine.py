@@ -283,8 +283,8 @@ class LLMEngine:
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         logits = self.runner.run(batch, copies)
         sampling = [seq for index, seq in enumerate(batch.seqs) if batch.samples(index)]
-        emitted = self._sample(logits, sampling)  # before committing: a failure changes nothing
         rows = logits.split([len(seq.draft_token_ids) + 1 for seq in sampling])
+        emitted = self._sample(logits, rows, sampling)  # before committing: a failure changes nothing
         accepted = {seq.seq_id: len(tokens) - 1 for seq, tokens in zip(sampling, emitted)}
         for seq in sampling:
             if seq.draft_token_ids:
@@ -305,17 +305,17 @@ class LLMEngine:
         self.stats.busy_seconds += time.perf_counter() - started
         return list(zip(sampling, rows, emitted))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
-        """Each sequence's tokens from its rows of ``logits`` (one row each, plus one per draft): sequences without
-        drafts sample together; drafts are verified per sequence (:func:`sampler.verify_drafts`)."""
+    def _sample(self, logits: torch.Tensor, rows: tuple[torch.Tensor, ...], seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's tokens from its ``rows`` of ``logits`` (one row each, plus one per draft): sequences
+        without drafts sample together; drafts are verified per sequence (:func:`sampler.verify_drafts`)."""
         if not any(seq.draft_token_ids for seq in seqs):
             return [[token] for token in sampler.sample(logits, seqs, self.generator)]
         emitted = []
-        for seq, rows in zip(seqs, logits.split([len(seq.draft_token_ids) + 1 for seq in seqs])):
+        for seq, own in zip(seqs, rows):
             if not seq.draft_token_ids:
-                emitted.append(sampler.sample(rows, [seq], self.generator))
+                emitted.append(sampler.sample(own, [seq], self.generator))
                 continue
-            emitted.append(sampler.verify_drafts(rows, seq, self.generator))
+            emitted.append(sampler.verify_drafts(own, seq, self.generator))
         return emitted
 
     def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> None:
