@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvopt.eval.contenders import parse_contender
-from kvopt.eval.report import Retention, retention
+from kvopt.eval.report import KEPT_RULE, Retention, retention
 
 #: Rows of kvopt's eval grid per model folder, and of the steps that measure bytes and speed.
 EVAL, CHECK, MEMORY, LOSSLESS = "eval.jsonl", "memory_check.jsonl", "decode_memory.jsonl", "lossless.jsonl"
@@ -71,7 +71,8 @@ def kvzip_vs_presses(ratio: float) -> Callable[[Path], Finding]:
             return Finding("not measured", None)
         spec, theirs = press
         clearly = " (intervals apart)" if ours.low > theirs.high else " (intervals overlap)"
-        text = f"kvzip {ours.cell()} vs best press `{spec.split(':')[1]}` {theirs.cell()}, n={ours.prompts}"
+        text = (f"kvzip kept {ours.with_accuracy()} vs best press `{spec.split(':')[1]}` {theirs.with_accuracy()}, "
+                f"{ours.prompts} prompts")
         return Finding(text + (clearly if ours.kept > theirs.kept else ""), ours.kept > theirs.kept)
 
     return measure
@@ -87,8 +88,8 @@ def snapkv_query_aware(ratio: float) -> Callable[[Path], Finding]:
         if ours is None:
             return Finding("not measured", None)
         press = retention(scores.get(f"kvpress:snapkv:ratio={ratio}", []), scores["full"])
-        text = f"snapkv {ours.cell()}" + (f", kvpress's {press.cell()}" if press is not None else "")
-        return Finding(f"{text}, n={ours.prompts}", ours.kept >= 0.8)
+        text = f"snapkv kept {ours.with_accuracy()}" + (f", kvpress's {press.with_accuracy()}" if press else "")
+        return Finding(f"{text}, {ours.prompts} prompts", ours.kept >= 0.8)
 
     return measure
 
@@ -120,7 +121,7 @@ def kivi_vs_quanto(bits: int) -> Callable[[Path], Finding]:
                   for length, method in speeds if method == kivi and (length, quanto) in speeds}  # fmt: skip
         parts, verdicts = [], []
         if ours is not None and theirs is not None:
-            parts.append(f"kept {ours.cell()} vs quanto {theirs.cell()}")
+            parts.append(f"kept {ours.with_accuracy()} vs quanto {theirs.with_accuracy()}")
             verdicts.append(ours.high >= theirs.low)  # no worse than quanto beyond the noise
         else:
             parts.append("answers not measured")
@@ -180,9 +181,10 @@ def section(models: list[tuple[str, Path]]) -> list[str]:
     lines = [
         SUMMARY,
         "",
-        "Each headline recomputed from each model's rows (sections below); `kept` is the share of full's "
-        "answers kept with its 95% Wilson interval. `not measured`: that model's results folder has no rows for it "
-        "yet (a section marked as kept from an earlier run has none).",
+        "Each headline recomputed from each model's rows (sections below); `kept` is the share of full's correct "
+        f"answers the method also gives on the same prompts, with its 95% Wilson interval. {KEPT_RULE} "
+        "`not measured`: that model's results folder has no rows for it yet (a section marked as kept from an "
+        "earlier run has none).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

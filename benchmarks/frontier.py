@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from kvopt.eval.report import KEPT_RULE
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "frontier.jsonl"
 WORK = ROOT / "results" / "frontier"
@@ -358,7 +360,7 @@ def render(rows: list[dict]) -> str:
         "",
         f"`python benchmarks/frontier.py` (rows: `benchmarks/results/frontier.jsonl`), {MODEL} (fp32), {CONDITIONS}. "
         "Accuracy: share of prompts answered, with its 95% Wilson interval; `kept` is the share of `full`'s correct "
-        "answers the method also gives, on the same prompts.",
+        f"answers the method also gives, on the same prompts, with its 95% Wilson interval. {KEPT_RULE}",
         "",
     ]
     for part in (_prefill_part, _decode_part, _profile_part, _stream_part, _agnostic_part):
@@ -383,10 +385,7 @@ def _kept(rows: list[dict], reference: list[dict]) -> str:
     from kvopt.eval.report import retention
 
     kept = retention(rows, reference)
-    if kept is None:
-        return ""
-    solved = kept.reference_accuracy * kept.prompts
-    return f"{kept.kept:.0%} [{100 * kept.low:.0f}–{100 * kept.high:.0f}] (of {solved:.0f})"
+    return kept.cell() if kept else ""
 
 
 def _eval_rows(by_step: dict, step: str, method: str, length: int) -> list[dict]:

@@ -133,7 +133,7 @@ def summaries(rows: list[dict], model, extras: dict[str, dict]) -> list[dict]:
 
 def render(rows: list[dict]) -> str:
     """The BENCHMARKS.md section for these rows (markdown)."""
-    from kvopt.eval.report import accuracy_score
+    from kvopt.eval.report import KEPT_RULE, accuracy_score, retention
 
     summary = {row["method"]: row for row in rows if row.get("kind") == "summary"}
     decode = {row["method"]: row for row in rows if row.get("kind") == "decode"}
@@ -150,21 +150,24 @@ def render(rows: list[dict]) -> str:
             f"{', '.join(map(str, meta['lengths']))} tokens, {meta['prompts_per_cell']} prompts per task and length "
             f"(needle depths), query-agnostic; streaming perplexity over {meta['ppl_tokens']} tokens of "
             f"{meta['text_source']} in chunks of {meta['ppl_chunk']}; {meta['conditions']}. "
-            "Accuracy: mean score with its 95% Wilson interval. Kept = share of full's answers kept (accuracy / full's accuracy). Bytes per token: `kvopt memory` "
+            "Accuracy: mean score with its 95% Wilson interval. Kept: the share of `full`'s correct answers the "
+            f"method also gives, paired prompt by prompt, with its 95% Wilson interval; {KEPT_RULE} "
+            "Bytes per token: `kvopt memory` "
             "at 4,096 tokens for an fp16 cache (residual and sinks included); held = peak bytes really held on "
             "the longest prompts (question and answer included) as a share of full's; per model = levels, key "
             f"envelopes, RoPE tables and predictors, held once per model. {meta.get('notes', '')}"
         ),
         "",
         (
-            "| method | accuracy | kept | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | held | per model | "
+            "| method | accuracy | kept of `full`'s | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | held | per model | "
             f"calibration | decode tok/s @ {meta.get('decode_length', '-')} |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    scored = {spec: [r for r in rows if r.get("method") == spec and r.get("task") not in (None, "ppl")] for spec in summary}
     for spec, row in summary.items():
-        scored = full and full["accuracy"] and row["accuracy"] is not None
-        kept = f"{row['accuracy'] / full['accuracy']:.0%}" if scored else "-"
+        paired = retention(scored[spec], scored.get("full", [])) if spec != "full" else None
+        kept = paired.cell() if paired else "-"
         gap = f"{row['ppl'] / full['ppl'] - 1:+.1%}" if full and row["ppl"] and full["ppl"] else "-"
         per_token = row["bytes_per_token_fp16_4k"]
         ratio = f"{per_token / fp16:.3f}x" if per_token and fp16 else "-"
@@ -172,7 +175,7 @@ def render(rows: list[dict]) -> str:
         speed = f"{decode[spec]['decode_tok_s']:.2f}" if spec in decode else "-"
         if spec in decode and "kivi:bits=2" in decode and spec != "kivi:bits=2":
             speed += f" ({decode[spec]['decode_tok_s'] / decode['kivi:bits=2']['decode_tok_s']:.2f}x kivi)"
-        score = accuracy_score([r for r in rows if r.get("method") == spec and r.get("task") not in (None, "ppl")])
+        score = accuracy_score(scored[spec])
         accuracy = score.cell() if score else "-"
         held = f"{row['held_x_full']:.3f}x" if row.get("held_x_full") is not None else "-"
         model_bytes = f"{row['model_bytes'] / 1e6:.1f} MB" if row.get("model_bytes") else "-"

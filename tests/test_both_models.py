@@ -49,8 +49,8 @@ def test_each_headline_is_judged_per_model_from_its_rows(two_models):
     lines = both_models.section(two_models)
     table = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
     kvzip = table["kvzip keeps more of full's answers than the best kvpress press at 75% removed (query-agnostic)"]
-    assert "holds: kvzip 100%" in kvzip and "best press `tova` 50%" in kvzip and "(intervals apart)" in kvzip
-    assert "does not hold: kvzip 0%" in kvzip and kvzip.endswith("| A only |")
+    assert "holds: kvzip kept 100%" in kvzip and "best press `tova` 50%" in kvzip and "(intervals apart)" in kvzip
+    assert "does not hold: kvzip kept 0%" in kvzip and kvzip.endswith("| A only |")
     lossless = table["`full` is lossless: the same greedy tokens and logits as HF's DynamicCache"]
     assert "holds: 1/1 prompts same tokens" in lossless and "does not hold: 0/1" in lossless
     adakv = table["Ada-KV's per-head budgets really free memory (bytes held = its budget)"]
@@ -139,6 +139,6 @@ def test_query_aware_snapkv_reads_only_query_aware_rows_and_needs_four_fifths(tm
         rows += [aware("kvpress:snapkv:ratio=0.5", sample, float(sample < 5))]
     write(tmp_path, both_models.EVAL, rows)
     half, quarter = both_models.snapkv_query_aware(0.5)(tmp_path), both_models.snapkv_query_aware(0.75)(tmp_path)
-    assert half.holds is True and "snapkv 80%" in half.text and "kvpress's 50%" in half.text and "n=10" in half.text
-    assert quarter.holds is False and "snapkv 70%" in quarter.text and "kvpress" not in quarter.text
+    assert half.holds is True and "snapkv kept 80%" in half.text and "kvpress's 50%" in half.text and "10 prompts" in half.text
+    assert quarter.holds is False and "snapkv kept 70%" in quarter.text and "kvpress" not in quarter.text
     assert both_models.snapkv_query_aware(0.9)(tmp_path).holds is None

@@ -177,8 +177,51 @@ def test_retention_pairs_each_method_with_the_reference_prompt_by_prompt():
     lines = report._retention_section(full + method, report._methods(full + method))
     line = next(line for line in lines if line.startswith("| `tova:ratio=0.75` |"))
     low, high = wilson_interval(2, 3)
-    assert f"| 4 | 75% vs 75% | 67% [{low * 100:.0f}–{high * 100:.0f}] |" in line
+    assert f"| 4 | 75% vs 75% | 67% [{low * 100:.0f}–{high * 100:.0f}] of 3 |" in line
     assert report._retention_section(method, report._methods(method)) == []  # no reference, no table
+
+
+def _prompt_rows(method: str, scores: list[float], task: str = "passkey") -> list[dict]:
+    return [{"task": task, "length": 2048, "depth": 0.5, "sample": sample, "seed": 0, "mode": "query_agnostic",
+             "method": method, "score": score} for sample, score in enumerate(scores)]  # fmt: skip
+
+
+def test_kept_is_the_share_of_the_references_answers_never_a_ratio_of_accuracies():
+    from kvopt.eval.report import retention
+
+    full = _prompt_rows("full", [1, 1, 0, 0])
+    only_misses = retention(_prompt_rows("m", [0, 0, 1, 1]), full)
+    assert only_misses.kept == 0.0 and only_misses.accuracy == 0.5 and only_misses.reference_accuracy == 0.5
+    assert only_misses.low == 0.0 and only_misses.cell().startswith("0% [0–")
+    # A higher accuracy than full's (gains on full's misses) still keeps at most 100%: here half.
+    better = retention(_prompt_rows("m", [1, 0, 1, 1]), full)
+    assert better.accuracy == 0.75 and better.kept == 0.5 and better.high < 1.0
+    assert better.with_accuracy() == f"{better.cell()} (accuracy 75% vs full's 50%)"
+    assert retention(_prompt_rows("m", [1, 1]), _prompt_rows("full", [0, 0])) is None  # nothing to keep
+
+
+def test_kept_pairs_by_prompt_identity_not_by_row_order():
+    from kvopt.eval.report import retention
+
+    full = _prompt_rows("full", [1, 0, 1])
+    method = list(reversed(_prompt_rows("m", [1, 0, 0])))
+    other_task = _prompt_rows("m", [1, 1, 1], task="niah")  # full never ran these prompts: not paired
+    rerun = [dict(method[0], score=1.0)]  # a second row for a prompt: its first row counts
+    kept = retention(method + other_task + rerun, full)
+    assert kept.prompts == 3 and kept.answered == 2 and kept.kept == 0.5
+
+
+def test_kept_credits_a_partial_score_up_to_the_references_on_that_prompt():
+    from kvopt.eval.report import retention
+
+    # niah_multivalue: full finds 2 of 4 values on the first prompt, all 4 on the second.
+    full = _prompt_rows("full", [0.5, 1.0, 0.0], task="niah_multivalue")
+    method = _prompt_rows("m", [1.0, 0.25, 0.75], task="niah_multivalue")
+    kept = retention(method, full)
+    # credited min(1.0, 0.5) + min(0.25, 1.0) + min(0.75, 0.0) of full's 1.5
+    assert kept.answered == 1.5 and kept.kept == (0.5 + 0.25) / 1.5
+    assert (kept.low, kept.high) == wilson_interval(0.75, 1.5)
+    assert kept.cell().startswith("50% [") and kept.cell().endswith("of 1.5")
 
 
 def test_keep_sections_puts_missing_ones_back_in_their_place_marked_once():

@@ -30,6 +30,12 @@ MAX_HEATMAPS = 12
 DPI = 150
 #: Budgets of one method share a colour and differ by marker.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+#: How a "kept" share is computed, said wherever one is shown (:class:`Retention`).
+KEPT_RULE = (
+    "`of N`: the reference's answers on the paired prompts (its summed score: a prompt it half answers, such as "
+    "2 of niah_multivalue's 4 values, counts half, and the method is credited at most as much on it); answers only "
+    "the method gives do not count, so no share exceeds 100%."
+)
 CAVEAT = (
     "With few samples per cell, differences of a few points are noise: compare the 95% Wilson "
     "intervals in brackets, not the means."
@@ -42,11 +48,12 @@ NO_PLOTS = "Skipped: matplotlib is not installed (`pip install 'kvopt[plot]'`)."
 PLACEHOLDERS = (NO_BENCH, NO_TASKS, NO_PLOTS)
 
 
-def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval for a success rate; stays inside [0, 1] and is sane at 0/n and n/n.
 
-    ``successes`` may be fractional (a sum of partial scores), which treats the mean score as a
-    proportion: an approximation, but the right width for the 0/1 scores most tasks produce.
+    ``successes`` (and ``n``, for a share of summed partial scores) may be fractional, which treats
+    the mean score as a proportion: an approximation, but the right width for the 0/1 scores most
+    tasks produce.
     ``n == 0`` gives (0, 1): nothing is known.
     """
     if n <= 0:
@@ -239,16 +246,31 @@ def _prompt_key(row: Row) -> tuple:
     return tuple(row.get(k) for k in ("mode", "task", "length", "depth", "sample", "seed"))
 
 
+def _scores_by_prompt(rows: Iterable[Row]) -> dict[tuple, float]:
+    """Score per prompt identity, the first row of a prompt counting (a re-run prompt is not weighed twice)."""
+    scores: dict[tuple, float] = {}
+    for row in rows:
+        scores.setdefault(_prompt_key(row), min(max(float(row["score"]), 0.0), 1.0))
+    return scores
+
+
 @dataclass(frozen=True)
 class Retention:
-    """A method's answers next to the reference's on the prompts both ran.
+    """A method's answers next to the reference's on the prompts both ran: the one definition of "kept".
 
-    ``kept`` is the share of the reference's correct answers the method also gets (sum of
-    min(method, reference) over the reference's sum), with a 95% Wilson interval over the
-    reference's successes: the figure a "keeps X% of full's accuracy" claim needs.
+    ``kept`` is the share of the reference's correct answers the method also gives: over the
+    prompts both ran (paired by prompt identity), the sum of min(method, reference) over the sum of
+    the reference's scores (``answered``). With 0/1 scores that is exactly "of the prompts the
+    reference answers, the share the method answers too"; a prompt with a partial score (RULER's
+    niah_multivalue finds 2 of 4 values: 0.5) counts with the reference's weight, and the method is
+    credited at most that much, so gains on prompts the reference misses never count and no share
+    exceeds 100%. The 95% Wilson interval treats ``answered`` as the number of trials. ``accuracy``
+    (the method's own mean score on the same prompts) goes beside it, because a method can keep
+    little of the reference's answers while scoring as high on other prompts.
     """
 
     prompts: int
+    answered: float
     accuracy: float
     reference_accuracy: float
     kept: float
@@ -256,20 +278,25 @@ class Retention:
     high: float
 
     def cell(self) -> str:
-        return f"{self.kept:.0%} [{self.low * 100:.0f}–{self.high * 100:.0f}]"
+        """``kept% [low–high] of N``: the share, its interval and the reference answers it is a share of."""
+        return f"{self.kept:.0%} [{self.low * 100:.0f}–{self.high * 100:.0f}] of {self.answered:.4g}"
+
+    def with_accuracy(self, reference: str = "full") -> str:
+        """:meth:`cell` with both accuracies beside it, for summaries that have no accuracy column."""
+        return f"{self.cell()} (accuracy {self.accuracy:.0%} vs {reference}'s {self.reference_accuracy:.0%})"
 
 
 def retention(rows: list[Row], reference: list[Row]) -> Retention | None:
     """``rows`` (one method's) against ``reference``'s, paired by prompt; None when the reference solved none."""
-    reference_scores = {_prompt_key(r): float(r["score"]) for r in reference}
-    pairs = [(float(r["score"]), reference_scores[k]) for r in rows if (k := _prompt_key(r)) in reference_scores]
-    solved = sum(ref for _, ref in pairs)
-    if not solved:
+    reference_scores = _scores_by_prompt(reference)
+    pairs = [(mine, reference_scores[key]) for key, mine in _scores_by_prompt(rows).items() if key in reference_scores]
+    answered = sum(ref for _, ref in pairs)
+    if not answered:
         return None
     kept = sum(min(mine, ref) for mine, ref in pairs)
-    low, high = wilson_interval(kept, round(solved))
+    low, high = wilson_interval(kept, answered)
     accuracy = sum(mine for mine, _ in pairs) / len(pairs)
-    return Retention(len(pairs), accuracy, solved / len(pairs), kept / solved, low, high)
+    return Retention(len(pairs), answered, accuracy, answered / len(pairs), kept / answered, low, high)
 
 
 def _retention_table(rows: list[Row], methods: dict[str, MethodInfo]) -> list[str]:
@@ -300,7 +327,7 @@ def _retention_section(tasks: list[Row], methods: dict[str, MethodInfo]) -> list
     if not lines:
         return []
     intro = ("Paired on the prompts each method and the reference both ran (all tasks and lengths): `kept` is the "
-             "share of the reference's correct answers the method also gives, with its 95% Wilson interval.")
+             f"share of the reference's correct answers the method also gives, with its 95% Wilson interval. {KEPT_RULE}")
     return ["## Share of the full cache's answers kept", "", intro, "", *lines]
 
 
