@@ -10,12 +10,12 @@ import pytest
 
 from kvopt.errors import KVOptError
 from kvopt.eval.tasks import TASKS, Sample, TaskError, build_sample, format_prompt, score
-from kvopt.eval.tasks import text
 from kvopt.eval.tasks.niah import NEEDLE
 from kvopt.eval.tasks.scoring import first_integer, string_match_all
 from kvopt.models import load_tokenizer
 
-NEEDLE_TASKS = ["passkey", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery"]
+NEEDLE_TASKS = ["passkey", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "prose_needle",
+                "prose_multikey"]
 CASES = [(task, length) for task in TASKS for length in ((1024, 2048) if task == "cwe" else (512, 1024))]
 CASES.append(("niah", 2048))
 
@@ -40,8 +40,9 @@ def _needle_position(sample: Sample) -> float:
     return sample.context.index(marker) / len(sample.context)
 
 
-def test_registry_exposes_the_eight_tasks():
-    assert set(TASKS) == {"passkey", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"}
+def test_registry_exposes_the_ten_tasks():
+    assert set(TASKS) == {"passkey", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "prose_needle",
+                          "prose_multikey", "vt", "cwe", "fwe"}
     for name, task in TASKS.items():
         assert task.name == name and task.max_new_tokens > 0
         assert task.uses_depth == (name in NEEDLE_TASKS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvopt.eval.tasks.base import Sample, Task, TaskError
 from kvopt.eval.tasks.niah import MagicNumbers, Needle
 from kvopt.eval.tasks.passkey import Passkey
+from kvopt.eval.tasks.prose import ProseMultiKey, ProseNeedle
 from kvopt.eval.tasks.ruler import CommonWords, FrequentWords, VariableTracking
 
 TASKS: dict[str, Task] = {
@@ -15,6 +16,8 @@ TASKS: dict[str, Task] = {
         MagicNumbers("niah_multikey", keys=4, values=1, queries=1),
         MagicNumbers("niah_multivalue", keys=1, values=4, queries=1),
         MagicNumbers("niah_multiquery", keys=4, values=1, queries=4),
+        ProseNeedle(),
+        ProseMultiKey(),
         VariableTracking(),
         CommonWords(),
         FrequentWords(),
