@@ -4,7 +4,7 @@
     python benchmarks/codec.py --methods full       # one method
     python benchmarks/codec.py --accuracy           # passkey / niah answered from saved caches (resumable)
 
-A ~2,000-token prompt of real local text (:func:`kvopt.eval.tasks.text.real_text`) is prefilled
+A ~2,000-token prompt of real local text (:func:`kvopt.local_text.real_text`) is prefilled
 once per method (``full``, ``snapkv:ratio=0.75``, ``kivi:bits=4``); the cache is encoded with
 every codec (``raw``, ``int8``, ``int4``, ``cachegen``), decoded, and the next ``--held-out``
 tokens of the same text are scored from the decoded cache (fed ``--chunk`` tokens at a time).
@@ -91,7 +91,7 @@ def timed(function, repeats: int) -> tuple[object, float]:
 def run(methods: list[str], prompt_tokens: int, held_out: int, chunk: int, repeats: int) -> list[dict]:
     import kvopt
     from kvopt.codec import cache_bytes, cache_from_bytes
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     torch.set_num_threads(1)
     model, tokenizer = kvopt.load_model()
@@ -165,7 +165,7 @@ def render(rows: list[dict]) -> str:
         return ""
     first = rows[0]
     lines = [
-        "## KV cache codec (`cache.save` / `kvopt.load_cache`)",
+        "## KV cache codec (`kvopt.save_cache` / `kvopt.load_cache`)",
         "",
         f"{first['model']}, a {first['prompt_tokens']:,}-token prompt of real local text ({first['text']}); the perplexity "
         f"gap is measured on the next {first['held_out_tokens']} tokens fed after the decoded cache ({first['chunk']} at a "

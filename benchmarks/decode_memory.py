@@ -36,8 +36,8 @@ def main() -> None:
 
     from kvopt.eval.contenders import parse_contender
     from kvopt.eval.decoding import forward
-    from kvopt.eval.tasks.text import real_text
-    from kvopt.models import load_model
+    from kvopt.api import load_model
+    from kvopt.local_text import real_text
 
     model, tokenizer = load_model(args.model)
     contender = parse_contender(args.spec)

@@ -103,7 +103,7 @@ def equal_bytes_budget(info, length: int, budget: int) -> int:
 
 def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
     """``length`` tokens of local real text (repeated as needed), starting ``offset`` tokens in."""
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
     offset %= len(ids)

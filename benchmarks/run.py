@@ -41,12 +41,12 @@ import torch
 import twobit
 import transformers
 
+from kvopt.api import load_model
 from kvopt.eval.bench import run_bench
 from kvopt.eval.contenders import parse_contender, split_specs
 from kvopt.eval.report import PLACEHOLDERS, keep_sections, write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
-from kvopt.models import load_model
 from kvopt.models.loading import load_config, resolve_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,7 +279,7 @@ def lossless_check(loaded, lengths: list[int], new_tokens: int, results: Path) -
     compare position by position even if a choice flips); rows in ``lossless.jsonl``.
     """
     from kvopt.eval.decoding import forward
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     model, tokenizer = loaded
     ids = tokenizer(real_text()[0], add_special_tokens=False)["input_ids"]
@@ -313,7 +313,7 @@ def memory_check(loaded, specs: list[str], length: int, results: Path) -> None:
     of the full cache.
     """
     from kvopt.eval.decoding import forward, shared_prefill
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
     from kvopt.memory import estimate
     from kvopt.models.info import ModelInfo
 

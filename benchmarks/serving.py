@@ -28,7 +28,7 @@ CAPACITY_METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75", "snapkv:ratio=0.
 
 def real_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     """``count`` windows of local real text, each ``low``-``high`` tokens long."""
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     ids = tokenizer(real_text()[0], add_special_tokens=False).input_ids
     rng = random.Random(seed)
@@ -277,7 +277,7 @@ STORY_TOPICS = ("a lighthouse keeper who befriends a storm", "a robot learning t
 def grounded_and_open_prompts(llm, count: int) -> dict[str, list[list[int]]]:
     """Chat prompts of two kinds: copying sentences out of a passage of local real text (input-grounded: what
     prompt lookup drafts from) and writing a story (open-ended: little to copy), ``count`` of each."""
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     text = real_text()[0]
     passages = []

@@ -40,7 +40,7 @@ def tasks() -> dict[str, str]:
     """User messages: two input-grounded tasks on real local text and code, one open-ended."""
     import textwrap
 
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     text = real_text()[0]
     passage = text[: text.find(" ", 1500)]

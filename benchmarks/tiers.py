@@ -34,7 +34,7 @@ CONDITIONS = "1 torch thread, on 2 CPU cores shared with other jobs (contention)
 
 def prompts(tokenizer, prefix_tokens: int, question_tokens: int, fillers: int) -> tuple[list[int], list[list[int]]]:
     """The measured prompt (prefix + question) and ``fillers`` unrelated prompts of the same length."""
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     ids = tokenizer("\n\n".join(real_text())).input_ids
     length = prefix_tokens + question_tokens

@@ -79,7 +79,7 @@ def decode_speed(model, tokenizer, specs: list[str], length: int, new_tokens: in
     """Decode tok/s after a ``length``-token prompt of real text for each spec: one shared prefill, interleaved runs."""
     from kvopt.api import build_cache
     from kvopt.eval.decoding import forward, shared_prefill
-    from kvopt.eval.tasks.text import real_text
+    from kvopt.local_text import real_text
 
     from kvopt.models.info import ModelInfo
 
@@ -193,8 +193,8 @@ def render(rows: list[dict]) -> str:
 
 def main() -> None:
     from kvopt.eval.runner import RESULTS_FILE, EvalGrid, row_key, run_eval
-    from kvopt.eval.tasks.text import real_text
-    from kvopt.models.loading import load_model
+    from kvopt.api import load_model
+    from kvopt.local_text import real_text
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated specs (hf-quanto if installed)")

@@ -62,7 +62,8 @@ def generate_rows_alone(model, spec: str, lengths: list[int], seed: int, new_tok
 @pytest.fixture(scope="session")
 def tiny_with_tokenizer():
     """A tiny random llama sized to the default model's real tokenizer (prompts need real text)."""
-    from kvopt.models import load_tokenizer, prepare
+    from kvopt.cache.attention import prepare
+    from kvopt.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ def saved(tiny_with_tokenizer, tmp_path_factory):
     cache = kvopt.cache("snapkv:ratio=0.5+kivi:bits=4", model)
     with torch.no_grad():
         model(torch.randint(100, 5000, (1, 400), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
-    path = cache.save(tmp_path_factory.mktemp("saved") / "cache.kvc")
+    path = kvopt.save_cache(cache, tmp_path_factory.mktemp("saved") / "cache.kvc")
     return model, path, path.read_bytes()
 
 
@@ -108,7 +108,7 @@ SAVER = textwrap.dedent(
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     try:
-        cache.save(sys.argv[2])
+        kvopt.save_cache(cache, sys.argv[2])
     except kvopt.KVOptError as error:
         print("error:", error, flush=True)
     """

@@ -11,6 +11,7 @@ from tiny_models import VOCAB, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvopt
+from kvopt.api import load_model
 from kvopt.errors import CacheUsageError, KVOptError
 from kvopt.eval.report import write_report
 from kvopt.eval.runner import EvalGrid, load_done, run_eval
@@ -18,7 +19,6 @@ from kvopt.guards import install_prompt_guard, validate_cache_arguments
 from kvopt.memory import estimate
 from kvopt.methods import parse
 from kvopt.models.info import ModelInfo
-from kvopt.models.loading import load_model
 from kvopt.runtime import check_context, generate_streaming
 
 LLAMA = tiny_model("llama")

@@ -1,4 +1,4 @@
-"""Sessions: ``cache.save`` / ``kvopt.load_cache``, and ``kvopt chat --session`` resuming after a restart."""
+"""Sessions: ``kvopt.save_cache`` / ``kvopt.load_cache``, and ``kvopt chat --session`` resuming after a restart."""
 
 import os
 import re
@@ -20,7 +20,7 @@ def test_save_then_load_cache_continues_the_sequence(tiny_with_tokenizer, tmp_pa
     cache = kvopt.cache("window:size=32", model)
     with torch.no_grad():
         model(ids[:, :40], past_key_values=cache)
-        path = cache.save(tmp_path / "new folder" / "session.kvc")
+        path = kvopt.save_cache(cache, tmp_path / "new folder" / "session.kvc")
         resumed = kvopt.load_cache(path, model)
         expected = model(ids[:, 40:], past_key_values=cache).logits
         logits = model(ids[:, 40:], past_key_values=resumed).logits
@@ -32,7 +32,7 @@ def test_an_unknown_encoding_is_refused_before_writing(tiny_with_tokenizer, tmp_
     model, _ = tiny_with_tokenizer
     cache = kvopt.cache("full", model)
     with pytest.raises(kvopt.KVOptError, match="unknown cache encoding 'zip'.*raw, int8, int4, cachegen"):
-        cache.save(tmp_path / "x.kvc", encoding="zip")
+        kvopt.save_cache(cache, tmp_path / "x.kvc", encoding="zip")
     assert not list(tmp_path.iterdir())
 
 

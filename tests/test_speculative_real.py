@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kvopt
-from kvopt.eval.tasks.text import real_text
+from kvopt.local_text import real_text
 from kvopt.runtime import encode_prompt
 
 pytestmark = pytest.mark.real_model

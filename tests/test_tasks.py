@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from kvopt import local_text
 from kvopt.errors import KVOptError
 from kvopt.eval.tasks import TASKS, Sample, TaskError, build_sample, format_prompt, score
 from kvopt.eval.tasks.niah import NEEDLE
@@ -66,7 +67,7 @@ def test_needles_appear_exactly_once(samples):
         elif task in NEEDLE_TASKS:
             for answer in sample.answers:
                 assert sample.context.count(answer) == 1, (task, answer)
-    assert samples["niah", 512].metadata["text_source"] == text.real_text()[1]
+    assert samples["niah", 512].metadata["text_source"] == local_text.real_text()[1]
 
 
 def test_variable_chain_is_in_the_context(samples):
@@ -170,14 +171,14 @@ def test_clear_errors(tokenizer):
 
 
 def test_text_sources(tmp_path, monkeypatch):
-    monkeypatch.setattr(text, "MIN_CHARS", 100)
+    monkeypatch.setattr(local_text, "MIN_CHARS", 100)
     paragraph = "This is prose. It has sentences and more words to read.\n\n"
     licenses = tmp_path / "licenses"
     licenses.mkdir()
     (licenses / "GPL-2").write_text("Old   version.\n" * 10)
     (licenses / "GPL-3").write_text(paragraph * 10)
     (licenses / "BSD").write_text("Short license. Fine.")
-    found, name = text.licenses(licenses)
+    found, name = local_text.licenses(licenses)
     assert name == "common-licenses:BSD,GPL-3" and "Old" not in found and "  " not in found
 
     docs = tmp_path / "doc"
@@ -185,16 +186,16 @@ def test_text_sources(tmp_path, monkeypatch):
     for package, body in (("python3.11", rst + paragraph * 10), ("python3-pip", "pip docs. " * 50)):
         (docs / package / "html/_sources/tutorial").mkdir(parents=True)
         (docs / package / "html/_sources/tutorial/intro.rst.txt").write_text(body)
-    found, name = text.python_docs(docs)
+    found, name = local_text.python_docs(docs)
     assert name.startswith("python-docs:") and "python3.11" in name
     assert found.startswith("Use len and x here. This is prose.")
     assert not any(bit in found for bit in ("Title", "code", "note", ">>>", "pip"))
-    assert text.python_docs(tmp_path / "missing") is None
+    assert local_text.python_docs(tmp_path / "missing") is None
 
-    found, name = text.stdlib_docstrings()
+    found, name = local_text.stdlib_docstrings()
     assert len(found) > 20_000 and name.startswith("stdlib-docstrings:python3")
 
 
 def test_real_text_is_long_prose():
-    found, name = text.real_text()
-    assert len(found) >= text.MIN_CHARS and "  " not in found and name
+    found, name = local_text.real_text()
+    assert len(found) >= local_text.MIN_CHARS and "  " not in found and name

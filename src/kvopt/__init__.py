@@ -4,7 +4,7 @@
     cache = kvopt.cache("window:size=1024", model)   # or "full"
     model.generate(ids, past_key_values=cache, max_new_tokens=64)
     cache.nbytes(), cache.stats()
-    cache.save("chat.kvc"); cache = kvopt.load_cache("chat.kvc", model)   # a session outlives the process
+    kvopt.save_cache(cache, "chat.kvc"); cache = kvopt.load_cache("chat.kvc", model)   # a session outlives the process
 
     kvopt.generate(model, ids, cache="kivi:bits=4", speculate="prompt_lookup:k=4")   # speculative decoding
 
@@ -13,15 +13,18 @@
 """
 
 from kvopt import methods
+from kvopt._version import __version__
 from kvopt.api import build_cache as cache
+from kvopt.api import load_model
 from kvopt.cache import KVCache
-from kvopt.codec import load_cache
+from kvopt.cache.attention import prepare
+from kvopt.codec import load_cache, save_cache
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import KVOptError
-from kvopt.models import ModelInfo, load_model, prepare
+from kvopt.models import ModelInfo
 from kvopt.speculative import generate
 
 __all__ = [
     "LLM", "KVCache", "KVOptError", "ModelInfo", "SamplingParams", "cache", "generate", "load_cache", "load_model", "methods", "prepare",
+    "save_cache",
 ]  # fmt: skip
-__version__ = "0.1.0"

@@ -1,22 +1,39 @@
-"""Building caches from spec strings: the layer above the methods and the storage they act on.
+"""Models and caches ready for use: the layer above the methods and the storage they act on.
 
-Imports point one way: ``api`` -> ``methods`` -> ``cache``. What a method needs from above
-(the local text minikv calibrates on) is handed down here, never imported by the method.
+Imports point one way (``tests/test_layering.py``): ``api`` -> ``methods`` -> ``cache`` -> ``models``.
+What a lower layer cannot do itself is joined here: a loaded model's attention is routed through the
+cache's (``models`` knows no cache), and the local text minikv calibrates on is handed to the method.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
+import torch
+
 from kvopt.cache import KVCache
+from kvopt.cache.attention import prepare
 from kvopt.guards import install_prompt_guard, validate_cache_arguments
+from kvopt.local_text import real_text
 from kvopt.methods import Method
+from kvopt.models.loading import load_pretrained
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
+    """Load ``(model, tokenizer)`` with its attention routed through kvopt's, ready for kvopt caches.
+
+    ``name_or_path``: None for the embedded default model, a local HF folder, or a .gguf file.
+    ``dtype``: torch dtype or name; default is the checkpoint's own dtype.
+    ``device``: where the model runs (a name, ``auto`` for a CUDA GPU when there is one); default the CPU.
+    """
+    model, tokenizer = load_pretrained(name_or_path, dtype, device)
+    prepare(model)
+    return model, tokenizer
 
 
 def local_prose() -> str:
     """The best prose on this machine (the evaluation's real text), read only when a method calibrates."""
-    from kvopt.eval.tasks.text import real_text
-
     return real_text()[0]
 
 

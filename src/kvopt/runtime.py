@@ -125,9 +125,8 @@ def generate_streaming(
     ``model`` is a loaded model (then pass ``tokenizer``) or a name/path for :func:`kvopt.load_model`.
     The method spec is validated before the model is loaded, so typos fail fast.
     """
-    from kvopt.api import build_cache
+    from kvopt.api import build_cache, load_model
     from kvopt.methods import parse
-    from kvopt.models.loading import load_model
 
     methods = parse(method)
     if tokenizer is None:

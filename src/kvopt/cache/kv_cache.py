@@ -69,15 +69,6 @@ class KVCache(Cache):
         """The model this cache was built for by :meth:`for_model` (None otherwise, or once it is gone)."""
         return self._model() if self._model is not None else None
 
-    def save(self, path, encoding: str = "raw"):
-        """Write this cache to ``path`` atomically; ``kvopt.load_cache(path, model)`` continues from it.
-
-        ``encoding``: ``raw`` (lossless), ``int8``, ``int4`` or ``cachegen`` (see :mod:`kvopt.codec`).
-        """
-        from kvopt.codec import save_cache
-
-        return save_cache(self, path, encoding)
-
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.info.check_keys(layer_idx, key_states)
         if layer_idx == 0 and self._config is not None:

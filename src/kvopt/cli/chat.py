@@ -64,10 +64,9 @@ def chat(
     import torch
     from transformers import TextStreamer
 
-    from kvopt.api import build_cache
+    from kvopt.api import build_cache, load_model
     from kvopt.codec import ENCODINGS, read_cache, save_cache
     from kvopt.methods import parse
-    from kvopt.models.loading import load_model
 
     if not NAME.fullmatch(session):
         raise KVOptError(f"--session {session!r}: use letters, digits, '.', '_' or '-' (a file name)")

@@ -1,11 +1,11 @@
 """Serialising kvopt caches: a versioned, checksummed file format, lossless and lossy encodings, sessions.
 
-``cache.save(path, encoding=...)`` / :func:`load_cache` save and resume a whole cache (every
+:func:`save_cache` / :func:`load_cache` save and resume a whole cache (every
 storage kind: dense, per-head evicted, ragged, KIVI-packed, MiniCache-merged, method state);
 :func:`encode_block` / :func:`decode_block` do the same for one block of per-layer K/V, for
 storage tiers. Encodings: ``raw`` (lossless), ``int8``, ``int4``, ``cachegen`` (see
-:mod:`kvopt.codec.encodings`). The codec sits beside :mod:`kvopt.api`: it reads cache storage,
-and nothing below it imports it.
+:mod:`kvopt.codec.encodings`). The codec sits above :mod:`kvopt.api`: it reads cache storage and
+rebuilds a loaded cache from its spec through the api, and nothing below it imports it.
 """
 
 from kvopt.codec.blocks import decode_block, encode_block

@@ -43,7 +43,7 @@ def pack(header: dict, chunks: list[bytes]) -> bytes:
 def unpack(data: bytes, source: str) -> tuple[dict, list[memoryview]]:
     """``(header, chunks)`` of a container, every checksum verified; ``source`` names it in errors."""
     if len(data) < _PREFIX.size or data[:8] != MAGIC:
-        raise CacheCorruptError(f"{source} is not a kvopt cache file (no kvopt header); pass a file written by cache.save")
+        raise CacheCorruptError(f"{source} is not a kvopt cache file (no kvopt header); pass a file written by kvopt.save_cache")
     _, version, length, header_digest = _PREFIX.unpack_from(data)
     if version != FORMAT_VERSION:
         raise CacheVersionError(

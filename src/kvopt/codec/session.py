@@ -1,6 +1,6 @@
 """Saving a whole cache to a file and loading it back onto the same model: sessions that outlive the process.
 
-    cache.save("chat.kvc")                               # or encoding="int8" / "int4" / "cachegen"
+    kvopt.save_cache(cache, "chat.kvc")                  # or encoding="int8" / "int4" / "cachegen"
     cache = kvopt.load_cache("chat.kvc", model)          # continue decoding where it stopped
 
 The header names the format version, the model's fingerprint (:mod:`kvopt.codec.fingerprint`),
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvopt._version import __version__
+from kvopt.api import build_cache
 from kvopt.codec import container, encodings
 from kvopt.codec.errors import CacheCorruptError, CacheFileError, CacheModelMismatchError
 from kvopt.codec.fingerprint import check_fingerprint, model_fingerprint
@@ -46,8 +48,6 @@ def decode_tensors(descriptors: list[dict], chunks: list, device) -> list[torch.
 
 def cache_bytes(cache, model, encoding: str = "raw", meta: dict | None = None) -> bytes:
     """The file :func:`save_cache` writes, as bytes (``meta``: JSON-able data stored alongside)."""
-    from kvopt import __version__
-
     modules = {id(module): name for name, module in model.named_modules()}
     dumper = Dumper(modules, len(cache.layers))
     layers = [dumper.layer(layer, index) for index, layer in enumerate(cache.layers)]
@@ -87,8 +87,6 @@ def read_cache(path: str | os.PathLike, model):
 
 def cache_from_bytes(data: bytes, model, source: str = "the cache"):
     """``(cache, meta)`` from :func:`cache_bytes`'s output."""
-    from kvopt.api import build_cache
-
     header, chunks = container.unpack(data, source)
     if header.get("kind") != KIND:
         raise CacheCorruptError(f"{source} holds {header.get('kind')!r}, not a saved cache")

@@ -35,7 +35,7 @@ class LLM:
     ) -> None:  # fmt: skip
         config = EngineConfig(kv_method, block_size, kv_memory, enable_prefix_caching, **engine_options)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
-            from kvopt.models import load_model
+            from kvopt.api import load_model
 
             model, tokenizer = load_model(model, dtype=dtype, device=device)
         self.engine = LLMEngine(model, tokenizer, config)

@@ -26,7 +26,7 @@ from kvopt.models.info import ModelInfo
 
 class ModelRunner:
     def __init__(self, model, info: ModelInfo, num_blocks: int, block_size: int) -> None:
-        from kvopt import prepare
+        from kvopt.cache.attention import prepare
 
         prepare(model)
         self.model = model

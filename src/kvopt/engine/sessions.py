@@ -9,7 +9,7 @@ pool's prefix cache, where the conversation's next prompt (the returned tokens +
 finds them: only the new turn is computed.
 
 Compressed sequences take no part in prefix caching, so their conversations are not saved here
-(the single-cache path, ``cache.save`` / ``kvopt.load_cache``, saves any method's state).
+(the single-cache path, ``kvopt.save_cache`` / ``kvopt.load_cache``, saves any method's state).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def save_session(engine, token_ids: list[int], path: str | os.PathLike, encoding
         raise SessionError(
             "none of these tokens' blocks are in the pool's prefix cache: other requests reused them (save the "
             "session right after its request finishes), or the request ran a compressed kv_method, which keeps "
-            "no prefix blocks (save such a conversation with kvopt.cache(...) and cache.save)"
+            "no prefix blocks (save such a conversation with kvopt.cache(...) and kvopt.save_cache)"
         )
     header = {"kind": KIND, "model": engine.fingerprint, "kv_method": engine.config.kv_method, "block_size": size,
               "tokens": token_ids[: len(chunks) * size], "all_tokens": token_ids}  # fmt: skip

@@ -37,8 +37,8 @@ def run_bench(
     Rows of lengths not measured in this run are kept (each length's ratios still come from
     one run), so long-context speed can be measured separately from short-context runs.
     """
-    from kvopt.eval.tasks.text import real_text
-    from kvopt.models.loading import load_model
+    from kvopt.api import load_model
+    from kvopt.local_text import real_text
 
     if not lengths or any(length < 1 for length in lengths):
         raise KVOptError("--lengths needs positive prompt lengths in tokens; use e.g. --lengths 512,2048")

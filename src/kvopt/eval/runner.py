@@ -102,9 +102,9 @@ def run_eval(
     log: Callable[[str], None] = print,
 ) -> Path:
     """Run the grid and append rows to ``out_dir/eval.jsonl``; returns that path."""
+    from kvopt.api import load_model
     from kvopt.eval.tasks import TASKS, build_sample, format_prompt, score
     from kvopt.models.info import ModelInfo
-    from kvopt.models.loading import load_model
 
     contenders = [parse_contender(spec) for spec in grid.methods]
     grid.validate(None)  # user mistakes fail before the model loads
@@ -209,8 +209,7 @@ def _row(task, length, depth, index, mode, contender: Contender, grid: EvalGrid,
 
 def _perplexity_row(model, tokenizer, contender: Contender, grid: EvalGrid) -> dict:
     from kvopt.eval.perplexity import streaming_perplexity
-    from kvopt.eval.tasks.text import real_text
-
+    from kvopt.local_text import real_text
     from kvopt.memory import estimate
     from kvopt.models.info import ModelInfo
 

@@ -247,17 +247,12 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
-    """Load ``(model, tokenizer)`` ready for kvopt caches.
-
-    ``name_or_path``: None for the embedded default model, a local HF folder, or a .gguf file.
-    ``dtype``: torch dtype or name; default is the checkpoint's own dtype.
-    ``device``: where the model runs (a name, ``auto`` for a CUDA GPU when there is one); default the CPU.
+def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
+    """Load ``(model, tokenizer)`` as transformers builds them (arguments as :func:`kvopt.load_model`, which
+    calls this and then routes the attention through kvopt's: ``models`` sits below ``cache``).
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from kvopt.cache.attention import prepare
 
     from safetensors import SafetensorError
 
@@ -281,7 +276,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     if device is not None:
         model.to(device)
     model.eval()
-    prepare(model)
     return model, tokenizer
 
 

@@ -299,7 +299,7 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread (which loads the model) and stops it."""
-    from kvopt import __version__
+    from kvopt._version import __version__
 
     server = OpenAIServer(client, settings)
     app = FastAPI(title="kvopt", version=__version__, lifespan=server.lifespan,

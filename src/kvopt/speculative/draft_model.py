@@ -33,8 +33,7 @@ class DraftModel:
             raise KVOptError(f"draft: k={self.k} must be >= 1")
 
     def bind(self, model, cache, sampler) -> None:
-        from kvopt.api import build_cache
-        from kvopt.models.loading import load_model
+        from kvopt.api import build_cache, load_model
 
         draft = load_model(self.model, device=model.device)[0] if isinstance(self.model, str) else self.model
         vocab, draft_vocab = model.get_output_embeddings().out_features, draft.get_output_embeddings().out_features

@@ -13,8 +13,8 @@ def speculate_text(
 
     The speculation spec is checked before the model loads, so a typo fails fast.
     """
+    from kvopt.api import load_model
     from kvopt.methods import parse
-    from kvopt.models.loading import load_model
     from kvopt.runtime import encode_prompt
     from kvopt.speculative.spec import parse_proposer
 
