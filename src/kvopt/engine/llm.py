@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig
-from kvopt.engine.llm_engine import LLMEngine
+from kvopt.engine.llm_engine import LLMEngine, RequestError
 from kvopt.engine.outputs import RequestOutput
+from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt
 from kvopt.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -40,6 +42,11 @@ class LLM:
             model, tokenizer = load_model(model, dtype=dtype, device=device)
         self.engine = LLMEngine(model, tokenizer, config)
         self._ids = itertools.count()
+        #: One caller at a time drives the engine (which is not thread-safe): add, step, abort, snapshots.
+        self._lock = threading.RLock()
+        #: Requests some ``generate``/``stream`` call waits for, and the latest output another caller's step made.
+        self._owned: set[str] = set()
+        self._mailbox: dict[str, RequestOutput] = {}
 
     @property
     def tokenizer(self):
@@ -50,24 +57,41 @@ class LLM:
         use_tqdm: bool = True, priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
         """Generate for every prompt (text or token ids); outputs in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
-        ids = []
-        for index, (prompt, param) in enumerate(zip(prompts, params)):
-            ids.append(str(next(self._ids)))
-            self.engine.add_request(ids[-1], prompt, param, priority[index] if priority else 0)
-        finished = self._run(set(ids), use_tqdm)
+            raise RequestSchemaError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one "
+                                     "per prompt", "sampling_params")  # fmt: skip
+        for param in params:
+            if param is not None and not isinstance(param, SamplingParams):
+                raise RequestSchemaError(f"sampling_params must be kvopt.SamplingParams (or a list of them), not "
+                                         f"{type(param).__name__}", "sampling_params")  # fmt: skip
+        if priority is not None and len(priority) != len(prompts):
+            raise RequestSchemaError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt",
+                                     "priority")  # fmt: skip
+        ids = [str(next(self._ids)) for _ in prompts]
+        priorities = priority or [0] * len(prompts)
+        finished = dict(self._finishing(list(zip(ids, prompts, params, priorities)), use_tqdm))
         return [finished[request_id] for request_id in ids]
+
+    def as_completed(
+        self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput]]:  # fmt: skip
+        """``(index of the prompt, its final output)`` as each request finishes, so a caller can keep every result
+        at once (``kvopt batch`` writes them as they come). Closing the iterator early aborts the rest."""
+        prompts = [check_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
+        ids = [str(next(self._ids)) for _ in prompts]
+        index = {request_id: position for position, request_id in enumerate(ids)}
+        for request_id, output in self._finishing(list(zip(ids, prompts, sampling_params, [0] * len(ids))), use_tqdm):
+            yield index[request_id], output
 
     def chat(
         self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:  # fmt: skip
         """Generate a reply to one conversation or to each of several (the tokenizer's chat template)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        single = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single or not isinstance(messages, Sequence) else list(messages)
         return self.generate([self.chat_prompt(conversation) for conversation in conversations], sampling_params,
                              use_tqdm)  # fmt: skip
 
@@ -76,25 +100,35 @@ class LLM:
         return list(self.tokenizer(self.apply_chat_template(messages), add_special_tokens=False).input_ids)
 
     def apply_chat_template(self, messages: Messages) -> str:
+        messages = check_messages(messages)
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            from kvopt.engine.llm_engine import RequestError
-
             raise RequestError("chat needs a tokenizer with a chat template; use generate() with a plain prompt")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that advanced it (cumulative text and ids)."""
+        """Yield the request's output after every step that advanced it (cumulative text and ids).
+
+        Closing the generator early (``break``, ``close()``) aborts the request, so its blocks return to the pool.
+        """
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, sampling_params)
-        while True:
-            for output in self.engine.step():
-                if output.request_id == request_id:
+        self._add([(request_id, check_prompt(prompt), sampling_params, 0)])
+        finished = False
+        try:
+            while not finished:
+                for output in self._advance({request_id}):
+                    finished = output.finished
                     yield output
-                    if output.finished:
-                        return
+        finally:
+            self._release({request_id}, {request_id} if finished else set())
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (from any thread); its ``generate`` or ``stream`` ends with ``finish_reason="abort"``."""
+        with self._lock:
+            self.engine.abort(request_id)
 
     def metrics(self) -> dict:
-        return self.engine.metrics()
+        with self._lock:
+            return self.engine.metrics()
 
     def save_session(self, conversation: RequestOutput | list[int], path: str | os.PathLike, encoding: str = "raw"):
         """Save a finished request's KV (its prompt + first completion, or the token ids given) to ``path``.
@@ -104,15 +138,20 @@ class LLM:
         """
         if isinstance(conversation, RequestOutput):
             conversation = list(conversation.prompt_token_ids) + list(conversation.outputs[0].token_ids)
-        return sessions.save_session(self.engine, conversation, path, encoding)
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise RequestError(f"save_session needs a finished RequestOutput or its token ids, not {conversation!r}")
+        with self._lock:
+            return sessions.save_session(self.engine, conversation, path, encoding)
 
     def load_session(self, path: str | os.PathLike) -> list[int]:
         """Restore a saved session's blocks into the prefix cache; returns its token ids (prompt + output)."""
-        return sessions.load_session(self.engine, path)
+        with self._lock:
+            return sessions.load_session(self.engine, path)
 
     def close(self) -> None:
         """Finish writing blocks to the KV tiers (``kv_tiers=``); the engine keeps serving from its pool."""
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -120,15 +159,56 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self, wanted: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        with _Progress(len(wanted), use_tqdm) as progress:
-            while len(finished) < len(wanted):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
-                progress.update(len(finished), self.engine.stats.generation_tokens)
-        return finished
+    def _finishing(self, requests: list[tuple[str, Prompt, SamplingParams | None, int]], use_tqdm: bool,
+                   ) -> Iterator[tuple[str, RequestOutput]]:  # fmt: skip
+        """Add ``requests`` (id, prompt, params, priority) and step until all finish, yielding each final output.
+        Whatever stops this early (an error, Ctrl-C, the caller) aborts the ones left, so none keeps decoding or
+        holding blocks."""
+        wanted = {request_id for request_id, *_ in requests}
+        finished: set[str] = set()
+        try:
+            self._add(requests)
+            with _Progress(len(wanted), use_tqdm) as progress:
+                while len(finished) < len(wanted):
+                    for output in self._advance(wanted - finished):
+                        if output.finished:
+                            finished.add(output.request_id)
+                            yield output.request_id, output
+                    progress.update(len(finished), self.engine.stats.generation_tokens)
+        finally:
+            self._release(wanted, finished)
+
+    def _add(self, requests: list[tuple[str, Prompt, SamplingParams | None, int]]) -> None:
+        with self._lock:
+            for request_id, prompt, params, priority in requests:
+                self._owned.add(request_id)
+                self.engine.add_request(request_id, prompt, params, priority)
+
+    def _advance(self, wanted: set[str]) -> list[RequestOutput]:
+        """The next outputs of ``wanted`` requests: kept for them by another caller's step, else from one step.
+
+        Several threads may each wait for their own requests: one steps the engine at a time (under the lock), and
+        outputs for another caller's requests are left for it (the latest per request: outputs are cumulative).
+        """
+        with self._lock:
+            mine = [self._mailbox.pop(request_id) for request_id in wanted if request_id in self._mailbox]
+            if mine:
+                return mine
+            for output in self.engine.step():
+                if output.request_id in wanted:
+                    mine.append(output)
+                elif output.request_id in self._owned:
+                    self._mailbox[output.request_id] = output
+            return mine
+
+    def _release(self, wanted: set[str], finished: set[str]) -> None:
+        """A caller stops waiting for ``wanted``: abort those not ``finished``, forget what was kept for them."""
+        with self._lock:
+            for request_id in wanted - finished:
+                self.engine.abort(request_id)
+            for request_id in wanted:
+                self._mailbox.pop(request_id, None)
+                self._owned.discard(request_id)
 
 
 class _Progress:
@@ -163,3 +243,14 @@ class _Progress:
     def __exit__(self, *exc) -> None:
         if self.enabled:
             self.bar.stop()
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    """``prompts`` as a list of prompts: one text or token-id list becomes a list of one; each checked."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(token, int) for token in prompts)):  # fmt: skip
+        return [check_prompt(prompts, "prompts")]
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestSchemaError(f"prompts must be a string, a list of token ids, or a list of those; not "
+                                 f"{type(prompts).__name__}", "prompts")  # fmt: skip
+    return [check_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ from kvopt.methods import available, parse
 from kvopt.methods.full import Full
 from kvopt.methods.spec import storage
 from kvopt.models.info import ModelInfo
+
+
+logger = logging.getLogger("kvopt.engine")
 
 
 class RequestError(KVOptError):
@@ -238,7 +242,8 @@ class LLMEngine:
         return Compression(methods, code_format, headwise)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks (unknown or finished ids are ignored)."""
+        """Stop a request and free its blocks (unknown or finished ids are ignored); the next step returns its final
+        output, with ``finish_reason="abort"``."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return
@@ -246,35 +251,64 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self._count_finished("abort")
+        self._failed.append(self._output(request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._failed)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; outputs (cumulative so far) of every request it advanced or ended."""
+        """Run one forward pass; outputs (cumulative so far) of every request it advanced or ended.
+
+        A failure while handling one request's tokens (sampling it alone, detokenizing, its method) fails that
+        request alone; a failure of the whole step (scheduling, the forward pass) fails the step's requests. Either
+        way they end with ``finish_reason="error"`` and their blocks go back to the pool: the engine goes on.
+        """
         outputs, self._failed = self._failed, []
-        batch = self.scheduler.schedule()
-        if not batch.seqs and not batch.restored:
-            return outputs
-        sampled = self._compute(batch) if batch.seqs else []
-        for seq, logits in batch.restored:  # compressed prompts found in the KV tiers: their stored logits
-            sampled.append((seq, logits[None], sampler.sample(logits[None], [seq], self.generator)))
+        batch = None
+        try:
+            batch = self.scheduler.schedule()
+            if not batch.seqs and not batch.restored:
+                return outputs
+            sampled = self._compute(batch) if batch.seqs else []
+            for seq, logits in batch.restored:  # compressed prompts found in the KV tiers: their stored logits
+                sampled.append((seq, logits[None], sampler.sample(logits[None], [seq], self.generator)))
+        except Exception as error:  # noqa: BLE001 - an invariant broke for the whole step
+            seqs = [*batch.seqs, *(seq for seq, _ in batch.restored)] if batch is not None else None
+            ids = {seq.request_id for seq in seqs} if seqs is not None else set(self.requests)
+            return outputs + [self._fail(self.requests[id_], error) for id_ in ids if id_ in self.requests]
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         for seq, logits, tokens in sampled:
-            request = self.requests[seq.request_id]
+            request = self.requests.get(seq.request_id)
+            if request is None:  # failed with a sibling sequence earlier in this loop
+                continue
             touched[request.request_id] = request
-            if self.offload is not None and seq.kv is not None and seq.num_output_tokens == 0:
-                self.offload.save_state(seq, logits[0])  # its prompt's one-pass prefill just ended
-            if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
-                self._fork(request, seq, logits)
-            self._emit(request, seq, tokens, logits, now)
+            try:
+                if self.offload is not None and seq.kv.keeps_prompt_state and seq.num_output_tokens == 0:
+                    self.offload.save_state(seq, logits[0])  # its prompt's one-pass prefill just ended
+                if request.params.n > 1 and seq.num_output_tokens == 0 and len(request.seqs) == 1:
+                    self._fork(request, seq, logits)
+                self._emit(request, seq, tokens, logits, now)
+            except Exception as error:  # noqa: BLE001 - this request alone fails
+                outputs.append(self._fail(touched.pop(request.request_id), error))
         for request in touched.values():
             outputs.append(self._output(request))
             if request.finished:
                 self._finish_request(request)
         return outputs
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End ``request`` with ``finish_reason="error"`` after an internal failure, freeing its blocks."""
+        logger.error("request %s failed in an engine step", request.request_id, exc_info=error)
+        request.error = (f"the engine failed on this request ({type(error).__name__}: {error}); other requests are "
+                         "unaffected; retry, or report it if it persists")  # fmt: skip
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        output = self._output(request)
+        self._finish_request(request)
+        return output
 
     def _compute(self, batch) -> list[tuple[Sequence, torch.Tensor, list[int]]]:
         """The batch's forward pass: ``(sequence, its logits [tokens, vocab], the tokens it emits)`` of those that
@@ -375,7 +409,7 @@ class LLMEngine:
         """Count a request once (by its first completion's finish reason) and observe its latencies."""
         now = time.perf_counter()
         request.metrics.finished_time = now
-        self._count_finished(request.seqs[0].finish_reason)
+        self._count_finished("error" if request.error is not None else request.seqs[0].finish_reason)
         for seq in request.seqs:
             for gap in seq.inter_token_latencies:
                 self.stats.itl.observe(gap)

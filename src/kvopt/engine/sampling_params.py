@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvopt.errors import KVOptError
+from kvopt.engine.requests import RequestSchemaError, SamplingFields, validated
 
 
 #: vLLM's epsilon: a temperature this small is greedy.
 GREEDY_BELOW = 1e-5
 
 
-class SamplingParamsError(KVOptError):
-    """A sampling parameter is out of range (a ``ValueError`` naming the field)."""
+class SamplingParamsError(RequestSchemaError):
+    """A sampling parameter is of the wrong type or out of range (a ``ValueError`` naming the field)."""
 
 
 @dataclass(slots=True)
@@ -44,19 +44,12 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        checks = (
-            ("n", self.n >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0 (0 is greedy)"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
-        )
-        for name, ok, rule in checks:
-            if not ok:
-                raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r} {rule}")
+        """The request schema's checks (:mod:`kvopt.engine.requests`: the server and ``kvopt batch`` use the same)."""
+        try:
+            validated(SamplingFields, {name: getattr(self, name) for name in SamplingFields.model_fields},
+                      "SamplingParams.")  # fmt: skip
+        except RequestSchemaError as error:
+            raise SamplingParamsError(str(error), error.param) from None
         if self.n > 1 and self.greedy:
             raise SamplingParamsError(
                 f"SamplingParams.n={self.n} with temperature=0 would return {self.n} identical greedy answers; "

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvopt.engine import RequestOutput, SamplingParams
-from kvopt.engine.sampling_params import SamplingParamsError
+from kvopt.engine.requests import RequestSchemaError, max_tokens_within
 from kvopt.serving.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from kvopt.serving.errors import APIError, BodyLimitMiddleware, error_body, install_error_handlers
 from kvopt.serving.metrics import ServerMetrics
@@ -116,25 +116,15 @@ class OpenAIServer:
             raise APIError(400, f"the prompt has {prompt_tokens} tokens; this server accepts at most {prompt_limit} "
                                 f"(--max-prompt-tokens; the model's context is {context}); shorten the prompt",
                            param="messages" if chat else "prompt", code="context_length_exceeded")  # fmt: skip
-        output_limit = min(self.settings.max_output_tokens or context - 1, context - 1)
-        requested = body.requested_max_tokens
-        name = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-        room = context - prompt_tokens
-        if requested is None:
-            max_tokens = min(output_limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, output_limit, room)
-        elif requested > output_limit:
-            raise APIError(400, f"{name}={requested} is more than this server's limit of {output_limit} "
-                                f"(--max-output-tokens); ask for at most {output_limit}", param=name)  # fmt: skip
-        elif requested > room:
-            raise APIError(400, f"the prompt's {prompt_tokens} tokens plus {name}={requested} exceed the model's "
-                                f"context of {context} tokens; ask for at most {room} or shorten the prompt",
-                           param=name, code="context_length_exceeded")  # fmt: skip
-        else:
-            max_tokens = requested
+        default = context if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         try:
+            max_tokens = max_tokens_within(body.requested_max_tokens, prompt_tokens, context, default,
+                                           body.max_tokens_field, self.settings.max_output_tokens,
+                                           " (--max-output-tokens)")  # fmt: skip
             return body.sampling_params(max_tokens)
-        except SamplingParamsError as error:
-            raise APIError(400, str(error).removeprefix("SamplingParams.")) from None
+        except RequestSchemaError as error:
+            code = "context_length_exceeded" if "context" in str(error) else None
+            raise APIError(400, str(error).removeprefix("SamplingParams."), param=error.param, code=code) from None
 
     def _check_capacity(self) -> None:
         running = self.client.engine.config.max_num_seqs
@@ -282,7 +272,7 @@ class OpenAIServer:
 def _raise_for(output: RequestOutput) -> None:
     """A request the engine failed (too long for the context, token ids outside the vocabulary, kv_method)."""
     if output.error is not None:
-        raise APIError(400, output.error)
+        raise APIError(400, output.error, param="kv_method" if output.error.startswith("kv_method=") else None)
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

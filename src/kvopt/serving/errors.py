@@ -8,14 +8,13 @@ unexpected failures all end here, so no response carries FastAPI's default shape
 
 from __future__ import annotations
 
-import json
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvopt.engine.requests import describe_validation_error
 from kvopt.errors import KVOptError
 from kvopt.serving.engine_client import EngineUnavailableError
 
@@ -63,7 +62,7 @@ def install_error_handlers(app: FastAPI, routes: str) -> None:
 
     @app.exception_handler(KVOptError)
     async def refused(request: Request, error: KVOptError) -> JSONResponse:  # the engine refused the request as given
-        return error_response(APIError(400, str(error)))
+        return error_response(APIError(400, str(error), param=getattr(error, "param", None)))
 
     @app.exception_handler(EngineUnavailableError)
     async def unavailable(request: Request, error: EngineUnavailableError) -> JSONResponse:
@@ -72,29 +71,6 @@ def install_error_handlers(app: FastAPI, routes: str) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:  # Starlette logs the traceback
         return error_response(APIError(500, f"internal error ({type(error).__name__}); the server log has the details"))
-
-
-def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
-    """One sentence for the first problem pydantic found, and the field it concerns."""
-    first = errors[0]
-    loc = [part for part in first["loc"] if part != "body"]
-    kind = first["type"]
-    if kind == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "malformed")
-        return f"the body is not valid JSON ({detail} at character {loc[0] if loc else 0}); send one JSON object", None
-    if not loc:
-        if kind == "missing":
-            return "the request has no body; send a JSON object with Content-Type: application/json", None
-        return (f"the body must be a JSON object with Content-Type: application/json, "
-                f"not {type(first.get('input')).__name__}"), None  # fmt: skip
-    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    if kind == "extra_forbidden":
-        return f"unknown field {path!r}; see /docs for the fields this endpoint reads", str(loc[0])
-    if kind == "missing":
-        return f"{path} is required", str(loc[0])
-    shown = json.dumps(first.get("input"), default=str)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return f"{path}: {first['msg'][:1].lower()}{first['msg'][1:]} (got {shown})", str(loc[0])
 
 
 class BodyLimitMiddleware:

@@ -1,0 +1,212 @@
+"""Issue #35, "Hardening, round two": one bad request never poisons the engine; ``LLM`` is safe from several threads;
+``stream`` and ``abort`` always end a request; the API checks requests with the server's schema."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvopt
+from kvopt.engine import sampler
+from kvopt.engine.detokenizer import IncrementalDetokenizer
+from kvopt.engine.requests import RequestSchemaError
+from kvopt.engine.sampling_params import SamplingParamsError
+from kvopt.errors import KVOptError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GREEDY = kvopt.SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = ["The capital of France is", "Once upon a time", "One two three four"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_with_tokenizer):
+    model, tokenizer = tiny_with_tokenizer
+    return kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB")
+
+
+def assert_idle(llm) -> None:
+    """No request left in the engine and every block back in the pool."""
+    engine = llm.engine
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.block_manager.num_used_blocks == 0
+    assert not llm._owned and not llm._mailbox
+
+
+def assert_usable(llm) -> None:
+    """A normal request after the case succeeds and leaves the pool empty."""
+    (output,) = llm.generate("Hello there", GREEDY, use_tqdm=False)
+    assert output.error is None and output.outputs[0].finish_reason == "length"
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
+    assert_idle(llm)
+
+
+# -- finding 1: logprobs beyond the vocabulary ------------------------------------------------------------
+def test_logprobs_are_bounded_like_the_servers():
+    with pytest.raises(SamplingParamsError, match=r"SamplingParams\.logprobs: .*less than or equal to 20"):
+        kvopt.SamplingParams(max_tokens=4, logprobs=100000)
+
+
+def test_logprobs_past_the_vocabulary_do_not_break_a_step():
+    logits = torch.randn(2, 10)
+    entries = sampler.logprobs(logits, [3, 4], 1000)
+    assert [len(entry) for entry in entries] == [10, 10]
+
+
+# -- finding 2: lone surrogates ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda llm: llm.generate("a\ud800b", GREEDY, use_tqdm=False),
+        lambda llm: llm.generate(["fine", "a\udfffb"], GREEDY, use_tqdm=False),
+        lambda llm: llm.chat([{"role": "user", "content": "a\ud800b"}], GREEDY, use_tqdm=False),
+        lambda llm: list(llm.stream("x\ud800", GREEDY)),
+        lambda llm: llm.generate("fine", kvopt.SamplingParams(stop=["\ud800"]), use_tqdm=False),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_the_field(llm, call):
+    with pytest.raises(RequestSchemaError, match="lone surrogate"):
+        call(llm)
+    assert_usable(llm)
+
+
+# -- finding 3: abort always ends a request ---------------------------------------------------------------
+def test_abort_between_stream_yields_ends_the_stream(llm):
+    outputs = []
+    for output in llm.stream("Once upon a time", kvopt.SamplingParams(max_tokens=50, ignore_eos=True)):
+        outputs.append(output)
+        if len(outputs) == 2:
+            llm.abort(output.request_id)
+        assert len(outputs) < 10, "the stream went on after its request was aborted"
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert_usable(llm)
+
+
+def test_abort_from_another_thread_during_generate(llm):
+    params = kvopt.SamplingParams(max_tokens=400, ignore_eos=True)
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("out", llm.generate(PROMPTS, params, use_tqdm=False)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while len(llm._owned) < len(PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    victim = sorted(llm._owned)[1]
+    time.sleep(0.05)
+    llm.abort(victim)
+    worker.join(120)
+    reasons = {output.request_id: output.outputs[0].finish_reason for output in results["out"]}
+    assert reasons[victim] == "abort"
+    assert [reason for key, reason in reasons.items() if key != victim] == ["length", "length"]
+    assert_usable(llm)
+
+
+# -- finding 4: closing a stream aborts its request -------------------------------------------------------
+def test_breaking_out_of_a_stream_aborts_its_request(llm):
+    for output in llm.stream("Once upon a time", kvopt.SamplingParams(max_tokens=200, ignore_eos=True)):
+        assert output.request_id in llm.engine.requests
+        break
+    assert_idle(llm)
+    assert_usable(llm)
+
+
+# -- finding 5: two threads on one LLM --------------------------------------------------------------------
+def test_two_threads_get_their_own_correct_outputs(llm):
+    expected = {prompt: llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for prompt in PROMPTS}
+    results, errors = {}, []
+
+    def work(name: str, prompts: list[str]) -> None:
+        try:
+            for _ in range(3):
+                results.setdefault(name, []).append(
+                    [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+                )
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=("a", PROMPTS)), threading.Thread(target=work, args=("b", PROMPTS[::-1]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors
+    assert results["a"] == [[expected[p] for p in PROMPTS]] * 3
+    assert results["b"] == [[expected[p] for p in PROMPTS[::-1]]] * 3
+    assert_usable(llm)
+
+
+# -- failure isolation: each stage of a step raising ------------------------------------------------------
+class Boom(RuntimeError):
+    pass
+
+
+def raising(original, when=lambda *args, **kwargs: True):
+    """``original`` that raises :class:`Boom` whenever ``when(*args)`` holds."""
+
+    def patched(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise Boom("injected fault")
+        return original(*args, **kwargs)
+
+    return patched
+
+
+STAGES = {
+    # the whole step: every request of it fails
+    "schedule": lambda llm, mp: mp.setattr(llm.engine.scheduler, "schedule", raising(llm.engine.scheduler.schedule)),
+    "forward pass": lambda llm, mp: mp.setattr(llm.engine.runner, "run", raising(llm.engine.runner.run)),
+    "sampling": lambda llm, mp: mp.setattr(sampler, "sample", raising(sampler.sample)),
+    # one request's tokens
+    "detokenizing": lambda llm, mp: mp.setattr(IncrementalDetokenizer, "add", raising(IncrementalDetokenizer.add)),
+    "logprobs": lambda llm, mp: mp.setattr(sampler, "logprobs", raising(sampler.logprobs)),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_stage_raising_fails_its_requests_and_leaves_the_engine_usable(llm, stage, monkeypatch):
+    with monkeypatch.context() as patch:
+        STAGES[stage](llm, patch)
+        outputs = llm.generate(PROMPTS, kvopt.SamplingParams(max_tokens=4, logprobs=1), use_tqdm=False)
+    assert [output.outputs[0].finish_reason for output in outputs] == ["error"] * len(PROMPTS)
+    assert all("Boom: injected fault" in output.error for output in outputs)
+    assert_usable(llm)
+    assert llm.metrics()["request_success_total"]["error"] >= len(PROMPTS)
+
+
+def test_a_failing_request_does_not_fail_its_batch(llm, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler, "logprobs", raising(sampler.logprobs))
+        outputs = llm.generate(PROMPTS, [GREEDY, kvopt.SamplingParams(max_tokens=6, logprobs=2), GREEDY],
+                               use_tqdm=False)  # fmt: skip
+    assert [output.outputs[0].finish_reason for output in outputs] == ["length", "error", "length"]
+    assert outputs[1].error is not None and outputs[0].error is None
+    assert_usable(llm)
+
+
+# -- finding 14: Python API types ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda llm: kvopt.SamplingParams(temperature="x"), "temperature"),
+        (lambda llm: kvopt.SamplingParams(max_tokens="5"), "max_tokens"),
+        (lambda llm: kvopt.SamplingParams(max_tokens=1.5), "max_tokens"),
+        (lambda llm: kvopt.SamplingParams(stop=5), "stop"),
+        (lambda llm: kvopt.SamplingParams(seed="abc"), "seed"),
+        (lambda llm: llm.generate(None, use_tqdm=False), "prompts"),
+        (lambda llm: llm.generate(5, use_tqdm=False), "prompts"),
+        (lambda llm: llm.generate({"a"}, use_tqdm=False), "prompts"),
+        (lambda llm: llm.generate([None], use_tqdm=False), "prompts[0]"),
+        (lambda llm: llm.generate([[1, 2.5]], use_tqdm=False), "prompts[0]"),
+        (lambda llm: llm.generate("hi", {"max_tokens": 3}, use_tqdm=False), "sampling_params"),
+        (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False), "messages[0].role"),
+        (lambda llm: llm.chat([{"role": "user"}], use_tqdm=False), "messages[0].content"),
+        (lambda llm: llm.chat([{"role": "user", "content": None}], use_tqdm=False), "messages[0].content"),
+        (lambda llm: llm.chat("hi", use_tqdm=False), "messages"),
+        (lambda llm: kvopt.SamplingParams(kv_method="full+full"), "kv_method"),
+        (lambda llm: llm.save_session([], "/tmp/never.kvc"), "save_session"),
+    ],
+)
+def test_bad_api_arguments_raise_a_value_error_naming_the_field(llm, call, field):
+    with pytest.raises(KVOptError) as caught:
+        call(llm)
+    assert field in str(caught.value)
+    assert_usable(llm)
