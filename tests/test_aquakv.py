@@ -188,7 +188,7 @@ def test_attention_over_predicted_values_equals_the_predictor_applied_to_weighte
     """Attention is linear in the values: with values = residual + [keys, source keys, 1] @ W, attending over the
     residual and mapping the attention-weighted key sums by W gives attention over the rebuilt values (GQA
     groups, several queries, a mask)."""
-    from kvopt.cache.attention import _explicit_attention_with_lse, attention_with_shared_sums
+    from kvopt.cache.attention_math import _explicit_attention_with_lse, attention_with_shared_sums
     from kvopt.cache.crosslayer import LayerPredictor
 
     generator = torch.Generator().manual_seed(0)

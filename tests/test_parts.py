@@ -14,7 +14,6 @@ from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.ragged import RaggedKV
 from kvopt.cache.storage import DenseKVStore
-from kvopt.errors import CacheUsageError
 from tiny_models import VOCAB
 
 BATCH, KV_HEADS, QUERY_HEADS, TOKENS, DIM = 2, 2, 4, 64, 16
@@ -96,10 +95,6 @@ def test_every_part_attends_like_a_softmax_over_its_own_tokens(kind, softcap):
     gen = torch.Generator().manual_seed(5)
     query = torch.randn(BATCH, QUERY_HEADS, 3, DIM, generator=gen)
     query_positions = torch.tensor([30, 50, TOKENS])  # the first query sees only part of the tokens
-    if kind == "ragged" and softcap is not None:
-        with pytest.raises(CacheUsageError, match="soft-capped"):
-            part.attend(query, query_positions, SCALE, softcap)
-        return
     output, lse = part.attend(query, query_positions, SCALE, softcap)
     expected, expected_lse = reference_attention(
         query, keys, values, visibility(positions, visible_slots, query_positions), SCALE, softcap
@@ -110,6 +105,27 @@ def test_every_part_attends_like_a_softmax_over_its_own_tokens(kind, softcap):
     assert (lse[finite] - expected_lse[finite]).abs().max().item() <= 1e-5
     counts = part.valid_counts()
     assert counts.shape == (BATCH,) and counts.tolist() == visible_slots[:, 0].sum(-1).tolist()
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("kind", ["dense", "ragged"])
+def test_head_wise_parts_attend_within_a_sliding_window(kind, softcap):
+    """The dense store and a ragged prefix hide keys ``window`` or more positions older than a query, as the
+    dense path does for sliding layers (what lets head-wise budgets run on Mistral and Gemma 2)."""
+    part, (keys, values, positions, visible_slots) = PARTS[kind]()
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(BATCH, QUERY_HEADS, 3, DIM, generator=gen)
+    query_positions, window = torch.tensor([30, 50, TOKENS]), 12
+    output, lse = part.attend(query, query_positions, SCALE, softcap, sliding_window=window)
+    recent = query_positions[None, None, :, None] - positions[:, :, None, :] < window
+    visible = visibility(positions, visible_slots, query_positions) & recent
+    expected, expected_lse = reference_attention(query, keys, values, visible, SCALE, softcap)
+    assert (output - expected).abs().max().item() <= 1e-5
+    assert torch.equal(lse.isinf(), expected_lse.isinf())
+    finite = expected_lse.isfinite()
+    assert (lse[finite] - expected_lse[finite]).abs().max().item() <= 1e-5
+    windowless, _ = part.attend(query, query_positions, SCALE, softcap)
+    assert (windowless - output).abs().max().item() > 1e-3  # the window hid keys that matter
 
 
 def test_a_layer_reads_its_parts_in_their_fixed_order_whatever_the_order_they_came_in():

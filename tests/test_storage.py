@@ -6,7 +6,7 @@ from conftest import random_batch
 from transformers import DynamicCache
 
 import kvopt
-from kvopt.cache import attention, quant
+from kvopt.cache import attention_math, quant
 from kvopt.cache.positions import TokenIndex
 from tiny_models import VOCAB, tiny_model
 
@@ -20,8 +20,8 @@ def test_attention_with_lse_equals_the_explicit_softmax_even_for_queries_that_se
     if mask_heads is not None:
         mask = torch.rand(2, mask_heads, 3, 40, generator=gen) > 0.4
         mask[0, 0, 1] = False  # a query row with no visible key: it must weigh nothing when merged
-    fast = attention.attention_with_lse(query, keys, values, mask, 0.25)
-    slow = attention._explicit_attention_with_lse(query, keys, values, mask, 0.25)
+    fast = attention_math.attention_with_lse(query, keys, values, mask, 0.25)
+    slow = attention_math._explicit_attention_with_lse(query, keys, values, mask, 0.25)
     assert torch.allclose(fast[0], slow[0], atol=1e-5) and torch.equal(fast[1].isinf(), slow[1].isinf())
     finite = slow[1].isfinite()
     assert torch.allclose(fast[1][finite], slow[1][finite], atol=1e-5)
@@ -82,18 +82,18 @@ def test_padding_materializes_validity_and_keeps_outputs_exact(model_pair):
 
 @pytest.mark.parametrize("threads", [2, 4])
 def test_split_kv_decoding_equals_one_pass_attention(threads, monkeypatch):
-    monkeypatch.setattr(attention, "MIN_PIECE_TOKENS", 8)
+    monkeypatch.setattr(attention_math, "MIN_PIECE_TOKENS", 8)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert attention._kv_pieces(3, 64) == threads  # 3 KV heads cut so the pieces fill every thread
+        assert attention_math._kv_pieces(3, 64) == threads  # 3 KV heads cut so the pieces fill every thread
         gen = torch.Generator().manual_seed(2)
         query = torch.randn(1, 6, 1, 16, generator=gen)
         keys, values = torch.randn(1, 3, 64, 16, generator=gen), torch.randn(1, 3, 64, 16, generator=gen)
-        fast = attention.attention_with_lse(query, keys, values, None, 0.25)
+        fast = attention_math.attention_with_lse(query, keys, values, None, 0.25)
     finally:
         torch.set_num_threads(previous)
-    slow = attention._explicit_attention_with_lse(query, keys, values, None, 0.25)
+    slow = attention_math._explicit_attention_with_lse(query, keys, values, None, 0.25)
     assert torch.allclose(fast[0], slow[0], atol=1e-5) and torch.allclose(fast[1], slow[1], atol=1e-5)
 
 
@@ -139,4 +139,4 @@ def test_quantized_attention_keeps_gradients_and_unpacks_transposed_codes():
 )
 def test_split_kv_pieces_even_out_the_threads(threads, items, tokens, pieces, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert attention._kv_pieces(items, tokens) == pieces
+    assert attention_math._kv_pieces(items, tokens) == pieces

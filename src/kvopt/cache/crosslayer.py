@@ -74,7 +74,7 @@ class LayerPredictor:
     def fold_values(self, sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """The predicted values' share of attention outputs ``[B, H_q, q, D]``, from each query head's
         attention-weighted sums of this layer's and the source's keys ``[B, H_q, q, (H + S) * D]``
-        (:func:`~kvopt.cache.attention.attention_with_shared_sums`; the weights sum to one, so the bias is
+        (:func:`~kvopt.cache.attention_math.attention_with_shared_sums`; the weights sum to one, so the bias is
         added once). Query head ``h`` reads KV head ``h // (H_q / H)``'s columns (``H = kv_heads``)."""
         batch, heads, q_len, width = sums.shape
         dim = self.value_weight.shape[1] // kv_heads

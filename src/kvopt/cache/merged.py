@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.cache.attention import attention_with_lse, visibility
+from kvopt.cache.attention_math import attention_with_lse, visibility
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 

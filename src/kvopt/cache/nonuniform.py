@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.cache import prerope
-from kvopt.cache.attention import attention_with_lse, attention_with_shared_sums, merge_with_lse, visibility
+from kvopt.cache.attention_math import attention_with_lse, attention_with_shared_sums, merge_with_lse, visibility
 from kvopt.cache.crosslayer import LayerPredictor
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quant import records_gradients, workspace
-from kvopt.cache.quantized import block_elements
+from kvopt.cache.quantized import attend_in_blocks, block_tokens
 
 #: Bits of a non-uniform code.
 NUQ_BITS = (2, 3, 4)
@@ -349,9 +349,6 @@ class NonUniformKV:
         #: True once a later layer's part predicts from this one (set by that part; see :meth:`reconstruct_keys`).
         self.feeds = False
         self.memo: Reconstruction | None = None
-        #: Place in the chain of predictions: the two live reconstructions of a forward pass (a layer's and its
-        #: source's) alternate between two workspaces by it.
-        self.depth = 0 if self.source is None else self.source.depth + 1
         if self.source is not None:
             self.source.feeds = True
 
@@ -459,40 +456,36 @@ class NonUniformKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(output, lse)`` in fp32 over the sinks and the quantized tokens, block by block.
 
-        A part in a chain of predictions rebuilds all its keys first (a workspace that lives until the
-        next layer has read them, alternating by :attr:`depth`); the others decode each block into
+        A part in a chain of predictions rebuilds all its keys first (a buffer of its own that lives until the
+        next layer has read them); the others decode each block into
         reused workspaces. Predicted values are not rebuilt: each block's attention also sums this
         layer's and the source's keys by the attention weights, and the value predictor maps those sums
         (:meth:`~kvopt.cache.crosslayer.LayerPredictor.fold_values`; exact, as attention is linear in values)."""
         parts = [self.sinks.attend(query, query_positions, scaling, softcap)] if self.sinks is not None else []
         query = prerope.to_pairs(query, self.rope)  # the order the rotated keys are in
         batch, heads = self.values.codes.shape[:2]
-        group = self.keys.group
         per_token = batch * max(heads * query.shape[-1], query.shape[1] * query.shape[2])  # keys, or weights
-        step = max(block_elements(query.device) // per_token // group, 1) * group
-        sees_all = query_positions.numel() == 1 and self.index.valid is None
+        step = block_tokens(query.device, per_token, self.keys.group)
         into = None if records_gradients(query) else "nonuniform"
         source_keys = self.source.reconstruct_keys(0, len(self)) if self.predictor is not None else None
         chained = self.feeds or self.predictor is not None
         if chained:
-            self.memo = None  # one from an earlier forward pass may sit in a reused workspace
-            name = None if into is None else f"{into}:chain{self.depth % 2}"
-            self.memo = Reconstruction(self.keys.codes, 0, self.reconstruct_keys(0, len(self), name, source_keys))
-        for start in range(0, len(self), step):
-            stop = min(start + step, len(self))
+            # A buffer of its own, not a reused workspace: the next layer reads it after other sequences' caches (the
+            # engine interleaves them layer by layer) may have rebuilt theirs.
+            self.memo = Reconstruction(self.keys.codes, 0, self.reconstruct_keys(0, len(self), None, source_keys))
+
+        def attend_block(start: int, stop: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             pre_rope = self.reconstruct_keys(start, stop, None if chained or into is None else f"{into}:keys")
             keys = self._rotate(pre_rope, start, stop, into)
             buffer = None if into is None else workspace(f"{into}:values", self._shape(start, stop), torch.float32,
                                                          self._device)  # fmt: skip
             values = decode_values(self.values.narrow(start, stop), self.codec, buffer)
-            mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
             if source_keys is None:
-                parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
-            else:
-                shared = [pre_rope, source_keys[:, :, start:stop]]
-                parts.append(self._folded(attention_with_shared_sums(query, keys, values, shared, mask, scaling,
-                                                                     softcap)))  # fmt: skip
-        return merge_with_lse(parts)
+                return attention_with_lse(query, keys, values, mask, scaling, softcap)
+            shared = [pre_rope, source_keys[:, :, start:stop]]
+            return self._folded(attention_with_shared_sums(query, keys, values, shared, mask, scaling, softcap))
+
+        return merge_with_lse(parts + attend_in_blocks(query_positions, self.index, step, attend_block))
 
     def _folded(self, attended: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, lse)`` of one block: the residual values' output plus the predicted values' share."""

@@ -3,7 +3,7 @@
 A layer's tokens live in a dense store that receives new tokens and in compact parts that
 methods made from it: a ragged prefix (head-wise budgets), quantized parts, a view of a merged
 layer pair. Attention runs over each part on its own and the results merge exactly through
-their log-sum-exp (:func:`kvopt.cache.attention.merge_with_lse`), so the layer never needs to
+their log-sum-exp (:func:`kvopt.cache.attention_math.merge_with_lse`), so the layer never needs to
 know what a part is: it asks each one to attend, to count its bytes and its real tokens.
 """
 

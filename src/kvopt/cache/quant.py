@@ -148,6 +148,17 @@ def quantize(
     """
     if bits not in BITS:
         raise ValueError(f"bits={bits} is not supported; use one of {BITS}")
+    codes, scale, zero = min_max_codes(x, bits, dim, ignore)
+    pack_dim = dim if pack_dim is None else pack_dim
+    return QuantizedGroups(pack(codes, bits, pack_dim), scale, zero, bits, pack_dim)
+
+
+def min_max_codes(
+    x: torch.Tensor, bits: int, dim: int = -1, ignore: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unpacked codes (fp32 integers in ``[0, 2^bits - 1]``) and fp16 ``scale``/``zero`` (axis ``dim`` of size 1)
+    of ``x`` with one group per slice along ``dim``: the quantizer of every store and of the codec's lossy
+    encodings, which packs any width (e.g. 5 bits) its own way. ``ignore`` as in :func:`quantize`."""
     x = x.float()
     if ignore is not None:
         hidden = ignore.expand(x.shape)
@@ -161,9 +172,7 @@ def quantize(
     span = high - low
     scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(PARAM_DTYPE)
     zero = low.to(PARAM_DTYPE)
-    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels)
-    pack_dim = dim if pack_dim is None else pack_dim
-    return QuantizedGroups(pack(codes, bits, pack_dim), scale, zero, bits, pack_dim)
+    return torch.round((x - zero.float()) / scale.float()).clamp_(0, levels), scale, zero
 
 
 def dequantize(q: QuantizedGroups, dtype: torch.dtype = torch.float32, into: str | None = None) -> torch.Tensor:

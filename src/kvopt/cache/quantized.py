@@ -20,13 +20,14 @@ log-sum-exp, the same exact merge the layer uses to join this part with its full
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvopt import kernels
 from kvopt.cache import quant
-from kvopt.cache.attention import attention_with_lse, merge_with_lse, visibility
+from kvopt.cache.attention_math import attention_with_lse, merge_with_lse, visibility
 from kvopt.cache.positions import TokenIndex
 
 #: Elements (batch x KV heads x tokens x head dim) of keys, and of values, dequantized at once by
@@ -49,6 +50,32 @@ PACK_AXIS = 3
 def block_elements(device: torch.device) -> int:
     """Elements of keys (and of values) attention dequantizes at once on ``device``."""
     return BLOCK_ELEMENTS if device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+
+
+def attend_in_blocks(
+    query_positions: torch.Tensor, index: TokenIndex, step: int,
+    attend_block: Callable[[int, int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """``(output, lse)`` of each block of ``step`` tokens of a coded part, in order, to merge by log-sum-exp.
+
+    ``attend_block(start, stop, mask)`` decodes tokens ``start:stop`` and attends over them under ``mask``
+    (:func:`~kvopt.cache.attention_math.visibility` of their positions, None when every query sees them),
+    so the full-precision copy never exceeds one block whatever the context (``step``: :func:`block_tokens`).
+    """
+    # One query sees every stored real token: no positions needed (they are older than it).
+    sees_all = query_positions.numel() == 1 and index.valid is None
+    parts = []
+    for start in range(0, index.length, step):
+        stop = min(start + step, index.length)
+        mask = None if sees_all else visibility(*index.span(start, stop), query_positions)
+        parts.append(attend_block(start, stop, mask))
+    return parts
+
+
+def block_tokens(device: torch.device, per_token: int, group: int) -> int:
+    """Tokens per block (whole groups of ``group``) when one token's decoded keys, or values, are ``per_token``
+    elements: :func:`block_elements` of them, at least one group."""
+    return max(block_elements(device) // per_token // group, 1) * group
 
 
 def _per_token_groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -146,20 +173,16 @@ class QuantizedKV:
         if self.decodes_fused(query, query_positions, softcap) and (fused := self.decode_fused(query, scaling)):
             output, lse = fused
             return output.unsqueeze(2), lse.unsqueeze(2)
-        # One query sees every stored real token: no positions needed (they are older than it).
-        sees_all = query_positions.numel() == 1 and self.index.valid is None
         # Autograd keeps each block's keys for the backward pass: then blocks get their own memory.
         into = None if quant.records_gradients(query) else "attend"
-        parts = []
         batch, heads, *_, channel_groups, channels = self.values.codes.shape  # [B, H, T/G, G/k, D/Gc, Gc]
-        per_token = batch * heads * channel_groups * channels
-        step = max(block_elements(query.device) // per_token // self.group, 1) * self.group
-        for start in range(0, len(self), step):
-            stop = min(start + step, len(self))
+        step = block_tokens(query.device, batch * heads * channel_groups * channels, self.group)
+
+        def attend_block(start: int, stop: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = self.dequantize(start, stop, torch.float32, into)
-            mask = None if sees_all else visibility(*self.index.span(start, stop), query_positions)
-            parts.append(attention_with_lse(query, keys, values, mask, scaling, softcap))
-        return merge_with_lse(parts)
+            return attention_with_lse(query, keys, values, mask, scaling, softcap)
+
+        return merge_with_lse(attend_in_blocks(query_positions, self.index, step, attend_block))
 
     def decodes_fused(self, query: torch.Tensor, query_positions: torch.Tensor, softcap: float | None) -> bool:
         """Whether :meth:`decode_fused` serves this read: one query position (decoding: every stored token is

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.errors import CacheUsageError
+from kvopt.cache.attention_math import attention_with_lse, visibility
 
 
 @dataclass
@@ -58,11 +58,11 @@ class RaggedKV:
         return self.counts()[:, 0]
 
     def attend(
-        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``query [B, H_q, q, D]`` over every segment: ``(output [B, H_q, q, D], lse [B, H_q, q])``, fp32."""
-        if softcap is not None:
-            raise CacheUsageError(f"{self.kind} cannot serve soft-capped layers yet")
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention of ``query [B, H_q, q, D]`` at ``query_positions`` (``[q]`` or ``[B, q]``) over every segment:
+        ``(output [B, H_q, q, D], lse [B, H_q, q])``, fp32; soft-capped and windowed as the dense store attends."""
         batch, heads, q_len, _ = query.shape
         group = heads // self.kv_heads
         output = query.new_zeros(batch, heads, q_len, self.values.shape[-1], dtype=torch.float32)
@@ -74,12 +74,12 @@ class RaggedKV:
                 continue
             b, h = divmod(segment, self.kv_heads)
             heads_of_group = slice(h * group, (h + 1) * group)
-            q = query[b, heads_of_group].float()  # [g, q, D]
-            logits = torch.matmul(q, self.keys[start:end].float().T) * scaling  # [g, q, n]
-            visible = self.positions[start:end][None, None, :] <= query_positions[None, :, None]
-            logits = logits.masked_fill(~visible, float("-inf"))
-            segment_lse = torch.logsumexp(logits, dim=-1)
-            weights = torch.exp(logits - segment_lse[..., None]).nan_to_num(0.0)
-            output[b, heads_of_group] = torch.matmul(weights, self.values[start:end].float())
-            lse[b, heads_of_group] = segment_lse
+            row_positions = query_positions if query_positions.ndim == 1 else query_positions[b]
+            mask = visibility(self.positions[None, None, start:end], None, row_positions, sliding_window)
+            keys, values = self.keys[None, None, start:end], self.values[None, None, start:end]
+            segment_output, segment_lse = attention_with_lse(
+                query[b : b + 1, heads_of_group], keys, values, mask, scaling, softcap
+            )
+            output[b, heads_of_group] = segment_output[0]
+            lse[b, heads_of_group] = segment_lse[0]
         return output, lse

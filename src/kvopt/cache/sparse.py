@@ -39,7 +39,7 @@ from itertools import groupby
 import torch
 
 from kvopt.cache import quant
-from kvopt.cache.attention import attention_with_lse
+from kvopt.cache.attention_math import attention_with_lse
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvopt.cache.attention import attention_with_lse, visibility
+from kvopt.cache.attention_math import attention_with_lse, visibility
 
 TOKEN_AXIS = 2
 
@@ -166,11 +166,11 @@ class DenseKVStore:
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
-        keys: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None, sliding_window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(output, lse)`` in fp32 over the stored tokens; ``keys`` replaces the stored keys when methods
         present them otherwise (see :meth:`kvopt.methods.base.Method.read_keys`)."""
-        mask = visibility(*self.mask_rows(), query_positions)
+        mask = visibility(*self.mask_rows(), query_positions, sliding_window)
         return attention_with_lse(query, self.keys if keys is None else keys, self.values, mask, scaling, softcap)
 
     # -- writes --------------------------------------------------------------------------

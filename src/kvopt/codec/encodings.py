@@ -117,14 +117,8 @@ def _axis(role: str) -> int:
 
 def _quantize(x: torch.Tensor, bits: int, role: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """uint8 codes of ``bits`` bits, fp16 scale and zero per group (codes against the stored fp16 parameters)."""
-    grouped, axis = _groups(x.detach().float().cpu(), role), _axis(role)
-    low, high = grouped.amin(dim=axis, keepdim=True), grouped.amax(dim=axis, keepdim=True)
-    levels = (1 << bits) - 1
-    span = high - low
-    scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(quant.PARAM_DTYPE)
-    zero = low.to(quant.PARAM_DTYPE)
-    codes = torch.round((grouped - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
+    codes, scale, zero = quant.min_max_codes(_groups(x.detach().float().cpu(), role), bits, _axis(role))
+    return codes.to(torch.uint8), scale, zero
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, role: str, shape: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.engine.sequence import Sequence
+from kvopt.speculative.sampling import filtered_probs as _filtered_probs
 from kvopt.speculative.verify import verify
 
 
@@ -56,27 +57,9 @@ class _Draws:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Softmax of ``logits / temperature`` keeping the top-k tokens, then the smallest set with mass >= top_p."""
-    scaled = logits / temperature
-    if top_k and top_k < scaled.numel():
-        threshold = scaled.topk(top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep a token while the mass before it is below top_p (the most likely token always stays).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
-
-
 def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict[int, float]]:
-    """Per row: the model's log-probability of the chosen token and of its ``top`` most likely alternatives (at most
-    the vocabulary: :class:`~kvopt.SamplingParams` bounds ``top``, and a larger one must not break the step)."""
+    """Per row: the model's log-probability of the chosen token and of its ``top`` most likely alternatives."""
     log_probs = torch.log_softmax(logits, dim=-1)
-    top = min(top, log_probs.shape[-1])
     result = []
     for row, token in enumerate(tokens):
         entry = {token: float(log_probs[row, token])}

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.attention_math import default_scale
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction
@@ -97,7 +98,7 @@ class MorphKV(Eviction):
         queries, query_valid = layer.state[f"{self.name}.queries"]  # [B, H_kv, w, D], [B, w]
         tokens = len(store)
         older = max(0, tokens - self.window)
-        scale = step.scaling if step.scaling is not None else queries.shape[-1] ** -0.5
+        scale = default_scale(queries, step.scaling)
         keys = store.keys[:, :, :older].float()
         logits = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, H_kv, w, older]
         logits = logits.masked_fill(~store.valid[:, :, None, :older], float("-inf"))

@@ -11,6 +11,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from kvopt.cache.attention_math import default_scale, grouped_logits, visibility
+
 #: Bound on the fp32 attention block scored at once (elements), so long prompts never build n x n probabilities.
 CHUNK_ELEMENTS = 1 << 26
 
@@ -19,39 +21,19 @@ def attention_probs(layer, step, last: int | None = None, softcap: float | None 
     """Softmax attention (fp32) of the newest ``last`` queries over the layer's stored keys.
 
     Returns ``[batch, kv_heads, group, queries, tokens]``: query heads grouped by the KV head
-    they read, masked like the real attention (causal by position, padding, per-head slots).
+    they read, masked like the real attention (causal by position, padding, per-head slots, the
+    sliding window: :func:`~kvopt.cache.attention_math.visibility`).
     """
     store = layer.store
     query = step.query if last is None else step.query[:, :, -last:]
     query_positions = step.query_positions if last is None else step.query_positions[..., -last:]
-    batch, heads, queries, dim = query.shape
+    batch, heads, queries, _ = query.shape
     kv_heads = store.keys.shape[1]
-    group = heads // kv_heads
-    scale = step.scaling if step.scaling is not None else dim**-0.5
-    grouped = query.reshape(batch, kv_heads, group * queries, dim).float() * scale
-    logits = torch.matmul(grouped, store.keys.float().transpose(-1, -2))
-    logits = logits.reshape(batch, kv_heads, group, queries, -1)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    key_positions = store.positions[:, :, None, None, :]
-    # [q] or [B, q] (rows of propagated tokens) -> [B or 1, 1, 1, q, 1]
-    query_positions = query_positions.to(key_positions.dtype).reshape(-1, 1, 1, queries, 1)
-    newest_stored = store.positions[:, :, -queries:]  # fewer than the queries after an earlier method's eviction
-    newest_are_queries = newest_stored.shape[-1] == queries and bool(
-        (newest_stored == query_positions[:, :, 0, :, 0]).all()
-    )
-    if layer.sliding_window is None and newest_are_queries:
-        # The queries are the newest stored tokens: older slots need only their validity bit,
-        # only the last ``queries`` slots need the causal mask (far less masking work).
-        if not store.all_valid:
-            logits[..., :-queries].masked_fill_(~store.valid[:, :, None, None, :-queries], float("-inf"))
-        causal = key_positions[..., -queries:] <= query_positions
-        logits[..., -queries:].masked_fill_(~(causal & store.valid[:, :, None, None, -queries:]), float("-inf"))
-        return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-    visible = (key_positions <= query_positions) & store.valid[:, :, None, None, :]
-    if layer.sliding_window is not None:  # what a sliding layer cannot see carries no attention
-        visible = visible & (query_positions - key_positions < layer.sliding_window)
-    logits = logits.masked_fill_(~visible, float("-inf"))
+    logits = grouped_logits(query, store.keys, default_scale(query, step.scaling), softcap)
+    logits = logits.reshape(batch, kv_heads, heads // kv_heads, queries, -1)
+    mask = visibility(*store.mask_rows(), query_positions.to(store.positions.dtype), layer.sliding_window)
+    if mask is not None:
+        logits.masked_fill_(~mask[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
@@ -106,7 +88,8 @@ def accumulate_attention(layer, step, name: str, last: int | None = None) -> Non
     if last is not None:
         query, query_positions = query[:, :, -last:], query_positions[-last:]
     batch, heads, queries, _ = query.shape
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * len(store)))
+    # Two queries at least: a lone query is taken for the newest token (no causal mask), which only a last chunk holds.
+    chunk = max(2, CHUNK_ELEMENTS // max(1, batch * heads * len(store)))
     for start in range(0, queries, chunk):
         part = dataclasses.replace(
             step, query=query[:, :, start : start + chunk], query_positions=query_positions[start : start + chunk]

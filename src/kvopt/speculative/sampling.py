@@ -44,19 +44,28 @@ class Sampler:
         logits = logits.float()
         if self.greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        logits = logits / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            threshold = logits.topk(self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < threshold, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            ordered, order = logits.sort(dim=-1, descending=True)
-            mass = ordered.softmax(-1).cumsum(-1)
-            drop = mass - ordered.softmax(-1) >= self.top_p  # keep the smallest prefix reaching top_p
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        return logits.softmax(-1)
+        return filtered_probs(logits, self.temperature, self.top_k, self.top_p)
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token from ``probs [vocab]`` (its argmax when greedy)."""
         if self.greedy:
             return int(probs.argmax())
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))  # the CPU generator: same draws on every device
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Softmax of ``logits [..., vocab] / temperature`` over the ``top_k`` most likely tokens, then over the smallest
+    set of them with mass >= ``top_p`` (the most likely token always stays); renormalised, so verification's
+    acceptance ratios read true probabilities. ``top_k`` None or 0 and ``top_p`` None or 1 filter nothing.
+
+    The one filter of both samplers: speculative decoding's :class:`Sampler` and the engine's."""
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        threshold = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # a token goes once the mass before it reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(-1)
