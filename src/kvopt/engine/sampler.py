@@ -58,8 +58,10 @@ class _Draws:
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict[int, float]]:
-    """Per row: the model's log-probability of the chosen token and of its ``top`` most likely alternatives."""
+    """Per row: the model's log-probability of the chosen token and of its ``top`` most likely alternatives (at most
+    the vocabulary: :class:`~kvopt.SamplingParams` bounds ``top``, and a larger one must not break the step)."""
     log_probs = torch.log_softmax(logits, dim=-1)
+    top = min(top, log_probs.shape[-1])
     result = []
     for row, token in enumerate(tokens):
         entry = {token: float(log_probs[row, token])}
