@@ -155,6 +155,52 @@ def streaming_perplexity(folder: Path) -> Finding:
     return Finding(text, sinks / full - 1 <= 0.10 and window > sinks)
 
 
+#: benchmarks/twobit.py's grid under a model's rows folder: its raw rows and the plan they fill.
+TWO_BIT_GRID, TWO_BIT_PLAN = "twobit", "plan.json"
+PROSE_TASKS = ("prose_needle", "prose_multikey")
+
+
+def two_bit_keeps(folder: Path) -> Finding:
+    """Some 2-bit recipe keeps >= 80% of full's answers over the whole 2-bit grid and over its needles in prose.
+
+    Judged only once every (method, task, length) cell of the grid's plan has its prompts: a partial grid is
+    "not measured", naming the task and length cells still short of prompts (fewest rows of any method)."""
+    grid = folder / TWO_BIT_GRID
+    if not (grid / TWO_BIT_PLAN).exists():
+        return Finding("not measured", None)
+    plan = json.loads((grid / TWO_BIT_PLAN).read_text())
+    scored = [row for row in rows(grid, EVAL) if row.get("score") is not None and row["method"] in plan["methods"]]
+    prompts: dict[tuple, set] = {}
+    for row in scored:
+        prompts.setdefault((row["method"], row["task"], row["length"]), set()).add((row["depth"], row["sample"]))
+    short = {}
+    for task in plan["tasks"]:
+        for length in plan["lengths"]:
+            fewest = min(len(prompts.get((method, task, length), ())) for method in plan["methods"])
+            if fewest < plan["prompts_per_cell"]:
+                short[f"{task}@{length}"] = fewest
+    if short:
+        cells = ", ".join(f"{cell} ({count}/{plan['prompts_per_cell']})" for cell, count in short.items())
+        return Finding(f"not measured: 2-bit grid cells still short of prompts: {cells}", None)
+    by_method = {method: [row for row in scored if row["method"] == method] for method in plan["methods"]}
+    reference = by_method[plan["reference"]]
+    prose_reference = [row for row in reference if row["task"] in PROSE_TASKS]
+    shares = {}
+    for spec in plan["two_bit"]:
+        pooled = retention(by_method[spec], reference)
+        prose = retention([row for row in by_method[spec] if row["task"] in PROSE_TASKS], prose_reference)
+        if pooled is not None and prose is not None:
+            shares[spec] = pooled, prose
+    if not shares:
+        return Finding("not measured: full answered none of the 2-bit grid's prose prompts", None)
+    # the prose share must hold too: a pooled share can hide prose needles lost behind kept passkeys
+    spec, (pooled, prose) = max(shares.items(), key=lambda item: min(item[1][0].kept, item[1][1].kept))
+    others = ", ".join(f"`{other}` {all_.cell()} (prose {own.cell()})" for other, (all_, own) in shares.items()
+                       if other != spec)  # fmt: skip
+    text = f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
+    return Finding(text, pooled.kept >= 0.8 and prose.kept >= 0.8)
+
+
 #: (headline, how it is measured on one model's folder).
 HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
     ("`full` is lossless: the same greedy tokens and logits as HF's DynamicCache", lossless),
@@ -169,6 +215,8 @@ HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
     ("`kivi:bits=2` answers as well as HF quanto 2-bit and decodes faster", kivi_vs_quanto(2)),
     ("Streaming with attention sinks stays within 10% of full's perplexity; a plain window does worse",
      streaming_perplexity),
+    ("A 2-bit recipe keeps >= 80% of full's answers, prose needles included (passkey, niah, niah_multivalue, "
+     "prose_needle, prose_multikey; query-agnostic)", two_bit_keeps),
 ]
 
 

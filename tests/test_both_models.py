@@ -142,3 +142,33 @@ def test_query_aware_snapkv_reads_only_query_aware_rows_and_needs_four_fifths(tm
     assert half.holds is True and "snapkv kept 80%" in half.text and "kvpress's 50%" in half.text and "10 prompts" in half.text
     assert quarter.holds is False and "snapkv kept 70%" in quarter.text and "kvpress" not in quarter.text
     assert both_models.snapkv_query_aware(0.9)(tmp_path).holds is None
+
+
+def test_two_bit_claim_waits_for_every_planned_cell_then_needs_the_prose_share_too(tmp_path):
+    """No verdict from a partial 2-bit grid (the short cells are named); once complete, a recipe holds only when it
+    keeps >= 80% of full's answers both pooled and on the prose tasks (passkeys kept cannot hide prose lost)."""
+    grid = tmp_path / both_models.TWO_BIT_GRID
+    grid.mkdir()
+    plan = {"methods": ["full", "kivi:bits=2", "aquakv"], "tasks": ["passkey", "prose_needle"], "lengths": [2048],
+            "prompts_per_cell": 4, "reference": "full", "two_bit": ["kivi:bits=2", "aquakv"]}  # fmt: skip
+    (grid / both_models.TWO_BIT_PLAN).write_text(json.dumps(plan))
+    assert both_models.two_bit_keeps(tmp_path / "elsewhere").holds is None
+
+    def cell(method: str, task: str, scores: list[float]) -> list[dict]:
+        return [{**task_row(method, sample, score, 2048), "task": task, "depth": 0.5} for sample, score in enumerate(scores)]
+
+    # once complete: aquakv keeps every passkey and 2 of 4 prose needles (75%, prose 50%), kivi 7 of 8 (88%, prose 75%)
+    found = cell("full", "passkey", [1, 1, 1, 1]) + cell("kivi:bits=2", "passkey", [1, 1, 1, 1])
+    found += cell("aquakv", "passkey", [1, 1, 1, 1]) + cell("full", "prose_needle", [1, 1, 1, 1])
+    found += cell("kivi:bits=2", "prose_needle", [1, 1, 1, 0]) + cell("aquakv", "prose_needle", [1, 1])
+    write(grid, both_models.EVAL, found)
+    partial = both_models.two_bit_keeps(tmp_path)
+    assert partial.holds is None and "prose_needle@2048 (2/4)" in partial.text and "passkey@2048" not in partial.text
+    write(grid, both_models.EVAL, found + cell("aquakv", "prose_needle", [1, 1, 0, 0])[2:])
+    complete = both_models.two_bit_keeps(tmp_path)
+    assert complete.holds is False and "best `kivi:bits=2` kept 88%" in complete.text
+    assert "prose tasks 75% [" in complete.text and "`aquakv` 75% [" in complete.text and "(prose 50% [" in complete.text
+    write(grid, both_models.EVAL, [row for row in found if row["method"] != "kivi:bits=2" or row["sample"] != 3]
+          + cell("kivi:bits=2", "prose_needle", [1, 1, 1, 1])[3:] + cell("kivi:bits=2", "passkey", [1, 1, 1, 1])[3:]
+          + cell("aquakv", "prose_needle", [1, 1, 0, 0])[2:])  # fmt: skip
+    assert both_models.two_bit_keeps(tmp_path).holds is True
