@@ -210,3 +210,48 @@ def test_bad_api_arguments_raise_a_value_error_naming_the_field(llm, call, field
         call(llm)
     assert field in str(caught.value)
     assert_usable(llm)
+
+
+# -- finding 9: the disk tier rewrites a damaged entry -----------------------------------------------------
+def test_disk_tier_overwrites_an_entry_it_still_indexes(tmp_path):
+    from kvopt.tiers.disk import DiskTier
+
+    key = "raw-" + "ab" * 16
+    DiskTier(tmp_path, 10**6).put(key, b"good bytes")
+    file = next(tmp_path.glob(f"*/{key}.kvb"))
+    file.write_bytes(b"damaged!!!")  # a flipped byte the codec's checksum would catch when read
+    restarted = DiskTier(tmp_path, 10**6)
+    assert restarted.contains(key)
+    restarted.put(key, b"recomputed bytes")
+    assert file.read_bytes() == b"recomputed bytes"
+    assert restarted.stats.bytes_stored == len(b"recomputed bytes") == restarted.disk_bytes()
+
+
+# -- findings 10, 11: a cache file as a chat session, a tier path under a file ------------------------------
+def test_chat_session_that_is_a_saved_cache_is_one_line(model_folder, tiny_with_tokenizer, tmp_path, monkeypatch,
+                                                         capsys):  # fmt: skip
+    import io
+    import sys
+
+    from kvopt.cli.main import main
+    from kvopt.codec import save_cache
+
+    model, _ = tiny_with_tokenizer
+    cache = kvopt.cache("full", model)
+    model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    save_cache(cache, tmp_path / "x.kvc", model=model)  # what cache.save writes: no conversation
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    monkeypatch.setattr(sys, "argv", ["kvopt", "chat", "--session", "x", "--sessions-dir", str(tmp_path), "--model",
+                                      str(model_folder), "--device", "cpu"])  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is a saved cache, not a chat session" in stderr
+    assert "Traceback" not in stderr and stderr.count("\n") == 1
+
+
+def test_a_disk_tier_under_a_file_is_a_kvopt_error(tiny_with_tokenizer, tmp_path):
+    model, tokenizer = tiny_with_tokenizer
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(KVOptError, match=r"disk tier .*afile/tier: cannot use it as a folder"):
+        kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", kv_tiers=[f"disk:{tmp_path}/afile/tier:1MB"])

@@ -76,6 +76,9 @@ def chat(
     model, tokenizer = load_model(model, device=device)
     if path.exists():
         cache, meta = read_cache(path, model)
+        if not {"tokens", "messages"} <= set(meta):
+            raise KVOptError(f"{path} is a saved cache, not a chat session (no conversation in it); give --session "
+                             "another name, or move that file away")  # fmt: skip
         if method is not None and "+".join(m.spec() for m in parse(method)) != cache.spec:
             raise KVOptError(f"session {session!r} runs {cache.spec!r}; omit --method or start a new session")
         tokens, messages = meta["tokens"], meta["messages"]

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from kvopt.errors import KVOptError
 from kvopt.tiers.base import TierStats, Warner
 
 SUFFIX = ".kvb"
@@ -28,7 +29,11 @@ class DiskTier:
         self._lock = threading.Lock()
         self._warner = Warner()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a parent that is a file, no permission
+            raise KVOptError(f"disk tier {self.path}: cannot use it as a folder ({error.strerror}); give a folder path "
+                             "this process may create and write, e.g. disk:/tmp/kvopt-tier:1GB") from None  # fmt: skip
         self._rebuild_index()
 
     def _file(self, key: str) -> Path:
@@ -77,10 +82,8 @@ class DiskTier:
     def put(self, key: str, data: bytes) -> None:
         if len(data) > self.max_bytes:
             return
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                return
+        # A key already indexed is written again: the engine writes a block only when it did not get it from the
+        # tiers, so the file is damaged or was never read (a restore stops at a chain's first damaged entry).
         file = self._file(key)
         temporary = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -94,8 +97,8 @@ class DiskTier:
             self._warner.warn(f"kvopt disk tier {self.path}: writing a block failed ({error}); it is not cached")
             return
         with self._lock:
+            self.stats.bytes_stored += len(data) - self._index.pop(key, 0)
             self._index[key] = len(data)
-            self.stats.bytes_stored += len(data)
             self.stats.stores += 1
             self._evict()
 
