@@ -20,7 +20,8 @@ def slow_visibility(key_positions, key_valid, query_positions, window):
             for q, query_position in enumerate(rows[b].tolist()):
                 for t in range(tokens):
                     key_position = int(key_positions[b, h, t])
-                    seen = key_position <= query_position and (window is None or query_position - key_position < window)
+                    recent = window is None or query_position - key_position < window
+                    seen = key_position <= query_position and recent
                     mask[b, h, q, t] = seen and (key_valid is None or bool(key_valid[b, h, t]))
     return mask
 

@@ -31,9 +31,21 @@ def attention_probs(layer, step, last: int | None = None, softcap: float | None 
     kv_heads = store.keys.shape[1]
     logits = grouped_logits(query, store.keys, default_scale(query, step.scaling), softcap)
     logits = logits.reshape(batch, kv_heads, heads // kv_heads, queries, -1)
-    mask = visibility(*store.mask_rows(), query_positions.to(store.positions.dtype), layer.sliding_window)
+    key_positions, key_valid = store.mask_rows()
+    query_positions = query_positions.to(key_positions.dtype)
+    masked = logits
+    newest = key_positions[..., -queries:]  # fewer than the queries after an earlier method's eviction
+    newest_are_queries = newest.shape[-1] == queries and bool((newest == query_positions.reshape(-1, 1, queries)).all())
+    if layer.sliding_window is None and newest_are_queries:
+        # The queries are the newest stored tokens: older slots need only their validity bit, only the
+        # last ``queries`` slots a causal mask (far less masking work when few queries score many keys).
+        if key_valid is not None:
+            logits[..., :-queries].masked_fill_(~key_valid[:, :, None, None, :-queries], float("-inf"))
+            key_valid = key_valid[..., -queries:]
+        masked, key_positions = logits[..., -queries:], newest
+    mask = visibility(key_positions, key_valid, query_positions, layer.sliding_window)
     if mask is not None:
-        logits.masked_fill_(~mask[:, :, None], float("-inf"))
+        masked.masked_fill_(~mask[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 

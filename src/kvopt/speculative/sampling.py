@@ -53,7 +53,9 @@ class Sampler:
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))  # the CPU generator: same draws on every device
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None
+) -> torch.Tensor:
     """Softmax of ``logits [..., vocab] / temperature`` over the ``top_k`` most likely tokens, then over the smallest
     set of them with mass >= ``top_p`` (the most likely token always stays); renormalised, so verification's
     acceptance ratios read true probabilities. ``top_k`` None or 0 and ``top_p`` None or 1 filter nothing.
