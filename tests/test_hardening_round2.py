@@ -255,3 +255,19 @@ def test_a_disk_tier_under_a_file_is_a_kvopt_error(tiny_with_tokenizer, tmp_path
     (tmp_path / "afile").write_text("")
     with pytest.raises(KVOptError, match=r"disk tier .*afile/tier: cannot use it as a folder"):
         kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", kv_tiers=[f"disk:{tmp_path}/afile/tier:1MB"])
+
+
+# -- finding 13 (and 14's kvopt.generate ids): a tokenizer's output as the prompt ----------------------------
+def test_kvopt_generate_takes_a_batch_encoding(tiny_with_tokenizer):
+    model, tokenizer = tiny_with_tokenizer
+    encoding = tokenizer("The capital of France is", return_tensors="pt")
+    from_encoding = kvopt.generate(model, encoding, max_new_tokens=4)
+    from_ids = kvopt.generate(model, encoding.input_ids, max_new_tokens=4)
+    assert from_encoding.tokens == from_ids.tokens and len(from_ids.tokens) == 4
+
+
+@pytest.mark.parametrize("ids", [[[-1, 5]], [[5, 10**6]], [[1.5, 2.0]], None, "hello", [[True, False]]])
+def test_kvopt_generate_refuses_ids_outside_the_vocabulary(tiny_with_tokenizer, ids):
+    model, _ = tiny_with_tokenizer
+    with pytest.raises(KVOptError, match="kvopt.generate"):
+        kvopt.generate(model, ids, max_new_tokens=2)

@@ -83,9 +83,7 @@ def generate(
     """
     from kvopt.api import build_cache
 
-    ids = torch.as_tensor(input_ids, device="cpu").reshape(1, -1) if not torch.is_tensor(input_ids) else input_ids
-    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise KVOptError(f"kvopt.generate takes one non-empty prompt ([1, n] ids), got shape {tuple(ids.shape)}")
+    ids = _prompt_ids(input_ids, model.config.get_text_config().vocab_size)
     if max_new_tokens < 1:
         raise KVOptError(f"max_new_tokens={max_new_tokens} must be at least 1")
     sampler = Sampler(temperature, top_k, top_p, seed)
@@ -164,3 +162,22 @@ def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
         if token in stops:
             return tokens[: index + 1]
     return tokens
+
+
+def _prompt_ids(input_ids, vocab: int) -> torch.Tensor:
+    """``[1, n]`` int64 ids from a tensor, a list, or a tokenizer's output (``BatchEncoding``: its ``input_ids``),
+    each a token id of the model's vocabulary."""
+    if hasattr(input_ids, "keys") and "input_ids" in input_ids.keys():
+        input_ids = input_ids["input_ids"]
+    try:
+        ids = input_ids if torch.is_tensor(input_ids) else torch.as_tensor(input_ids, device="cpu").reshape(1, -1)
+    except (TypeError, ValueError, RuntimeError):
+        raise KVOptError(f"kvopt.generate takes token ids (a [1, n] tensor, a list of ints, or a tokenizer's output), "
+                         f"not {type(input_ids).__name__}") from None  # fmt: skip
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise KVOptError(f"kvopt.generate takes one non-empty prompt ([1, n] ids), got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
+        raise KVOptError(f"kvopt.generate takes integer token ids, got {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise KVOptError(f"kvopt.generate: token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
+    return ids.long()
