@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import kvopt
-from kvopt.cache.paged import PagedKVPool
-from kvopt.cache.paged_compressed import CodeFormat
+from kvopt.engine.kv.paged import PagedKVPool
+from kvopt.engine.kv.compressed import CodeFormat
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.engine import LLM, SamplingParams
-from kvopt.engine.config import EngineConfigError
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
 from tiny_models import VOCAB, tiny_model
@@ -158,29 +157,17 @@ def test_preemption_of_compressed_sequences(spec, models):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("spec", ["lava:ratio=0.5", "kvzip:ratio=0.5", "minicache", "streamingllm:budget=40,rolling=always"])
-def test_unserved_methods_are_refused_clearly(spec, models):
-    with pytest.raises(EngineConfigError, match="not served by the engine yet.*kvopt.cache"):
-        LLM(copy.deepcopy(models["llama"]), kv_method=spec, kv_memory="4MB")
-    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
-    ok, bad = llm.generate(prompts([20, 20]), [GREEDY, SamplingParams(max_tokens=4, kv_method=spec)], use_tqdm=False)
-    assert ok.error is None and "not served by the engine yet" in bad.error
-    assert_pool_empty(llm)
-
-
 def test_other_request_problems_fail_alone(models):
     llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
-    forks, unknown = llm.generate(
+    forks, plain = llm.generate(
         prompts([20, 20]),
-        [SamplingParams(max_tokens=4, n=2, temperature=1.0, kv_method="snapkv:ratio=0.5"), SamplingParams(max_tokens=4, kv_method="nope")],
+        [SamplingParams(max_tokens=4, n=2, temperature=1.0, kv_method="snapkv:ratio=0.5"), GREEDY],
         use_tqdm=False,
     )
-    assert "n=2" in forks.error and "unknown method 'nope'" in unknown.error
-    sliding = LLM(tiny_model("mistral"), kv_memory="4MB")
-    with pytest.raises(EngineConfigError, match="sliding-window layers"):
-        LLM(tiny_model("mistral"), kv_method="snapkv:ratio=0.5", kv_memory="4MB")
-    (refused,) = sliding.generate(prompts([20]), SamplingParams(max_tokens=4, kv_method="kivi"), use_tqdm=False)
-    assert "sliding-window layers" in refused.error
+    assert "n=2" in forks.error and plain.error is None
+    assert_pool_empty(llm)
+    with pytest.raises(ValueError, match="unknown method 'nope'"):  # refused where the request is written
+        SamplingParams(max_tokens=4, kv_method="nope")
 
 
 def test_code_blocks_round_trip_groups_exactly():

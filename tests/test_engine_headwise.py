@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvopt.cache.paged import PagedKVPool
-from kvopt.cache.paged_headwise import HeadwiseKV
+from kvopt.engine.kv.paged import PagedKVPool
+from kvopt.engine.kv.cache_backed import CacheBackedKV
+from kvopt.engine.kv.headwise import HeadwiseKV
 from kvopt.engine import LLM, SamplingParams
-from kvopt.engine.config import EngineConfigError
 from kvopt.models.info import ModelInfo
 from test_engine_compressed import assert_pool_empty, generate_with_cache, prompts, run_until_decoding
 from tiny_models import tiny_model
@@ -88,9 +88,11 @@ def test_swapped_out_compressed_sequences_continue_exactly(spec, models):
     assert_pool_empty(llm)
 
 
-def test_headwise_budgets_with_a_quantizer_are_refused(models):
-    with pytest.raises(EngineConfigError, match="full precision only"):
-        LLM(copy.deepcopy(models["llama"]), kv_method="pyramidkv:ratio=0.5+kivi:bits=4", kv_memory="4MB")
+def test_headwise_budgets_with_a_quantizer_run_in_their_own_cache(models):
+    """Head blocks hold full precision only: with a quantizer the sequence keeps its own cache (its outputs equal
+    generate's: tests/test_engine_every_method.py)."""
+    llm = LLM(copy.deepcopy(models["llama"]), kv_method="pyramidkv:ratio=0.5+kivi:bits=4", kv_memory="4MB")
+    assert isinstance(llm.engine._compression("pyramidkv:ratio=0.5+kivi:bits=4").new_kv(), CacheBackedKV)
 
 
 @settings(max_examples=60, deadline=None)

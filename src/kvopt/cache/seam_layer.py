@@ -1,7 +1,7 @@
 """The HF cache-layer protocol shared by kvopt's layers: ``update`` parks, kvopt attention stores.
 
 Both the per-sequence :class:`~kvopt.cache.layer.KVLayer` and the engine's
-:class:`~kvopt.cache.paged.PagedLayer` store nothing in ``update``: they hand the new
+:class:`~kvopt.engine.kv.paged.PagedLayer` store nothing in ``update``: they hand the new
 keys/values back to the model and wait for kvopt's attention call on them
 (:mod:`kvopt.cache.attention`), which knows the padding bits and the queries.
 """

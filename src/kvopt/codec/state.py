@@ -27,7 +27,8 @@ from kvopt.codec.errors import CacheCorruptError
 from kvopt.errors import CacheUsageError
 
 ROLES = {"keys": "key", "values": "value"}
-ALLOWED_PREFIX = "kvopt.cache."
+#: Modules whose dataclasses are rebuilt: cache storage, and the engine's compressed prompt states (kept in tiers).
+ALLOWED_PREFIXES = ("kvopt.cache.", "kvopt.engine.kv.")
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Dumper:
             return {"t": "module", "v": self.modules[id(obj)]}
         if isinstance(obj, DenseKVStore):
             return {"t": "store", "v": self.store(obj)}
-        if dataclasses.is_dataclass(obj) and type(obj).__module__.startswith(ALLOWED_PREFIX):
+        if dataclasses.is_dataclass(obj) and type(obj).__module__.startswith(ALLOWED_PREFIXES):
             return self.dataclass(obj)
         raise CacheUsageError(
             f"cannot save a cache holding a {type(obj).__module__}.{type(obj).__qualname__} in its state; "
@@ -149,7 +150,7 @@ class Loader:
 
     def dataclass(self, node: dict):
         module_name, _, name = node["cls"].partition(":")
-        if not module_name.startswith(ALLOWED_PREFIX):
+        if not module_name.startswith(ALLOWED_PREFIXES):
             raise CacheCorruptError(f"{self.source} names the class {node['cls']}, which a cache never holds")
         cls = getattr(importlib.import_module(module_name), name, None)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):

@@ -17,18 +17,23 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kvopt.api import local_prose
-from kvopt.cache.paged import PagedKVPool
-from kvopt.cache.paged_compressed import CodeFormat, CompressedKV
-from kvopt.cache.paged_headwise import HeadwiseKV
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import CPU_SPECULATE_MAX_BATCH, EngineConfig, EngineConfigError, parse_memory
 from kvopt.engine.detokenizer import IncrementalDetokenizer
+from kvopt.engine.kv.base import SequenceKV
+from kvopt.engine.kv.cache_backed import CacheBackedKV
+from kvopt.engine.kv.compressed import CodeFormat, CompressedKV
+from kvopt.engine.kv.headwise import HeadwiseKV
+from kvopt.engine.kv.lossless import LosslessKV
+from kvopt.engine.kv.paged import PagedKVPool
 from kvopt.engine.metrics import EngineStats
 from kvopt.engine.model_runner import ModelRunner
 from kvopt.engine.offload import KVOffload
@@ -37,8 +42,8 @@ from kvopt.engine.sampling_params import SamplingParams
 from kvopt.engine.scheduler import Drafting, Scheduler
 from kvopt.engine.sequence import Sequence
 from kvopt.codec.fingerprint import model_fingerprint
-from kvopt.errors import KVOptError
-from kvopt.methods import available, parse
+from kvopt.errors import CacheUsageError, KVOptError
+from kvopt.methods import parse
 from kvopt.methods.full import Full
 from kvopt.methods.spec import storage
 from kvopt.models.info import ModelInfo
@@ -53,12 +58,11 @@ class RequestError(KVOptError):
 
 @dataclass(frozen=True)
 class Compression:
-    """A compressing spec as the engine serves it: its methods and how its quantized groups fill blocks."""
+    """A compressing spec as the engine serves it: its methods and how a sequence of it is held."""
 
     methods: list
-    code_format: CodeFormat | None
-    #: Layers or heads keep budgets of their own: the sequence is held in head blocks.
-    headwise: bool = False
+    #: Makes one sequence's KV object (:mod:`kvopt.engine.kv`).
+    new_kv: Callable[[], SequenceKV]
 
 
 @dataclass
@@ -160,11 +164,7 @@ class LLMEngine:
             return
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         compression = self._compression(params.kv_method or self.config.kv_method)
-        kv = None
-        if compression is not None and compression.headwise:
-            kv = HeadwiseKV(compression.methods, self.runner.pool)
-        elif compression is not None:
-            kv = CompressedKV(compression.methods, self.info.num_layers, self.config.block_size, compression.code_format)
+        kv = LosslessKV() if compression is None else compression.new_kv()
         seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, priority=priority,
                        generator=generator, kv=kv)  # fmt: skip
         request.seqs.append(seq)
@@ -198,7 +198,10 @@ class LLMEngine:
         except KVOptError as error:
             return str(error)
         if compressed and params.n > 1:
-            return f"n={params.n} parallel samples share blocks, which kv_method={spec!r} compacts; use n=1 or kv_method='full'"
+            return (
+                f"n={params.n} parallel samples share the prompt's blocks, which kv_method={spec!r} compresses; "
+                "send n requests with n=1, or use kv_method='full'"
+            )
         return None
 
     def _compression(self, spec: str) -> Compression | None:
@@ -208,38 +211,37 @@ class LLMEngine:
         return self._compressions[spec]
 
     def _check_compression(self, spec: str) -> Compression | None:
+        """The table of kinds: lossless; the block layouts where the methods' tokens fit them (layer by layer,
+        at full precision or in one code format, no sliding-window layers); otherwise each sequence's own cache."""
         methods = parse(spec)
         if all(type(method) is Full for method in methods):
             return None
-        unserved = [method.spec() for method in methods if not method.runs_in_engine]
-        if unserved:
-            served = ", ".join(cls.name for cls in available() if cls.runs_in_engine)
-            raise RequestError(
-                f"kv_method={spec!r}: {', '.join(unserved)} is not served by the engine yet (it ranks all layers "
-                f"together, stores tokens its own way, re-rotates keys when reading them, or changes the prefill "
-                f"itself); the engine serves {served}; run it with kvopt.cache(...) and model.generate"
-            )
-        if any(window is not None for window in self.info.sliding_windows):
-            raise RequestError(
-                f"kv_method={spec!r}: compressed blocks on a model with sliding-window layers are not served yet; "
-                "use kv_method='full', or kvopt.cache(...) with model.generate"
-            )
         for method in methods:
             method.check_model(self.info)
             method.prepare(self.model, local_prose)
+        block_size = self.config.block_size
+        fits_blocks = all(method.runs_in_engine for method in methods) and all(
+            window is None for window in self.info.sliding_windows
+        )
         quantizers = [method for method in methods if storage(method) == "quantized"]
         headwise = not all(method.uniform_budgets for method in methods)
-        if headwise and quantizers:
-            raise RequestError(
-                f"kv_method={spec!r}: the engine holds layer- or head-wise budgets at full precision only; "
-                "drop the quantizer, or use a uniform-budget method (e.g. snapkv) with it"
-            )
-        code_format = None
-        if quantizers:
-            method = quantizers[0]
-            code_format = CodeFormat.probe(self.info, self.dtype, self.config.block_size, method.bits, method.group,
-                                           method.key_mode)  # fmt: skip
-        return Compression(methods, code_format, headwise)
+        if fits_blocks and headwise and not quantizers:
+            return Compression(methods, lambda: HeadwiseKV(methods, self.runner.pool))
+        if fits_blocks and not headwise:
+            code_format = self._code_format(quantizers[0]) if quantizers else None
+            if code_format is not None or not quantizers:
+                num_layers = self.info.num_layers
+                return Compression(methods, partial(CompressedKV, methods, num_layers, block_size, code_format))
+        token_bytes = self.block_bytes // block_size
+        return Compression(methods, partial(CacheBackedKV, methods, self.model, self.tokenizer, token_bytes))
+
+    def _code_format(self, quantizer) -> CodeFormat | None:
+        """How ``quantizer``'s groups fill blocks (None when they cannot: the sequence keeps its own cache)."""
+        try:
+            return CodeFormat.probe(self.info, self.dtype, self.config.block_size, quantizer.bits, quantizer.group,
+                                    quantizer.key_mode)  # fmt: skip
+        except CacheUsageError:
+            return None
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (unknown or finished ids are ignored); the next step returns its final
@@ -328,14 +330,9 @@ class LLMEngine:
             drafts = len(seq.draft_token_ids)
             seq.num_computed_tokens += count - drafts  # accepted drafts count as they are emitted (_emit)
             seq.draft_token_ids = []
-            if seq.kv is None:
-                if drafts:  # blocks past the next token's held only drafts the model rejected
-                    self.block_manager.release_surplus(seq, seq.num_computed_tokens + accepted[seq.seq_id] + 1)
+            self.block_manager.release(seq.kv.commit(seq, drafts, accepted.get(seq.seq_id, 0), self.config.block_size))
+            if seq.kv.shares_blocks:
                 self.block_manager.cache_full_blocks(seq)
-            else:
-                layout = seq.kv.commit()
-                seq.block_table, seq.code_table = layout.block_table, layout.code_table
-                self.block_manager.release(layout.freed)
         self.stats.busy_seconds += time.perf_counter() - started
         return list(zip(sampling, rows, emitted))
 
@@ -486,22 +483,16 @@ class LLMEngine:
         (a block of quantized groups counts the share of its records in use)."""
         size, filled = self.block_manager.block_size, {}
         for seq in self.scheduler.running:
-            for index, block_id in enumerate(seq.block_table):
-                tokens = min(size, max(0, seq.num_stored_tokens - index * size))
-                filled[block_id] = max(filled.get(block_id, 0), tokens)
-            if seq.code_table:
-                per_block = seq.kv.code_format.groups_per_block
-                for index, block_id in enumerate(seq.code_table):
-                    filled[block_id] = size * min(per_block, seq.kv.groups - index * per_block) // per_block
+            for block_id, slots in seq.kv.filled_slots(seq, size).items():
+                filled[block_id] = max(filled.get(block_id, 0), slots)  # shared blocks count once
         return len(filled) * size, sum(filled.values())
 
     def bytes_saved(self) -> int:
         """Bytes the running compressed sequences would take in full precision, less the blocks they hold."""
         token_bytes = self.block_bytes // self.block_manager.block_size
         return sum(
-            seq.num_computed_tokens * token_bytes - seq.kv.nbytes(self.block_bytes)
+            max(0, seq.num_computed_tokens * token_bytes - seq.kv.nbytes(seq, self.block_bytes))
             for seq in self.scheduler.running
-            if seq.kv is not None
         )
 
 

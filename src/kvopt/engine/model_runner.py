@@ -2,7 +2,7 @@
 
 The step's sequences become one row of ``tokens`` ids with their own positions (no padding);
 their new keys/values go to the slots their block tables name, and attention reads each
-sequence's context from the pool (:mod:`kvopt.cache.paged`). Logits are computed only at the
+sequence's context from the pool (:mod:`kvopt.engine.kv.paged`). Logits are computed only at the
 rows whose next token is sampled.
 """
 
@@ -15,11 +15,8 @@ from functools import partial
 import torch
 
 from kvopt.cache import attention
-from kvopt.cache.paged import DecodeGroup, PagedBatch, PagedCache, PagedKVPool, SequenceSlots, last_tokens, slots_of
-from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
-from kvopt.cache.paged_headwise import HeadwiseKV, HeadwiseStep
+from kvopt.engine.kv.paged import PagedCache, PagedKVPool, StepPlan
 from kvopt.engine.scheduler import ScheduledBatch
-from kvopt.engine.sequence import Sequence
 from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
@@ -51,36 +48,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
         """Compute the batch's tokens; returns fp32 logits in batch order: for each sequence that samples, one row
-        per draft plus one (``[rows, vocab]``)."""
+        per draft plus one (``[rows, vocab]``).
+
+        Each sequence's KV object lays its tokens into the per-step context (:meth:`SequenceKV.plan`); those
+        that compute theirs alone this step (a prompt run as ``generate`` runs it) do so beside the batch.
+        """
         self.pool.copy_blocks(copies)
-        ids, positions, new_slots, logit_rows, sequences, compressed, stored_rows = [], [], [], [], [], [], []
-        headwise = []
-        device = self.device
+        plan = StepPlan(self.pool, self.device)
+        ids, positions, logit_rows = [], [], []
+        #: For each sequence that samples: its rows among the batch's logits, or its own logits.
+        sampled: list[int | torch.Tensor] = []
         row = 0
         for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if not seq.kv.plan(plan, seq, row, count):
+                logits = plan.alone[-1].compute()
+                if batch.samples(index):
+                    sampled.append(logits)
+                continue
             first = seq.num_computed_tokens
             ids.extend(seq.step_token_ids(count))
             positions.extend(range(first, first + count))
             if batch.samples(index):  # the newest token's row, and each draft's (verification reads them all)
                 logit_rows.extend(range(row + count - 1 - len(seq.draft_token_ids), row + count))
-            if isinstance(seq.kv, HeadwiseKV):  # stores and attends itself, from head blocks anywhere in its blocks
-                headwise.append(HeadwiseStep(seq.kv, row, row + count, first, list(seq.block_table)))
-                row += count
-                continue
-            is_prefill = seq.kv is not None and first == 0  # a compressed prompt: its tokens go to its methods
-            runs = [] if is_prefill else self._runs(seq, seq.num_stored_tokens + count)
-            if not is_prefill:
-                new_slots.append(slots_of(last_tokens(runs, count), "cpu"))  # one copy to the device below
-                stored_rows.extend(range(row, row + count))
-            sequences.append(SequenceSlots.of(row, row + count, runs, device, self._codes(seq)))
-            if seq.kv is not None:
-                compressed.append(CompressedStep(seq.kv, row, row + count, first, is_prefill, runs,
-                                                 list(seq.block_table), list(seq.code_table)))  # fmt: skip
+                sampled.append(len(seq.draft_token_ids) + 1)
             row += count
-        slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device)
-        rows = None if len(stored_rows) == row else torch.tensor(stored_rows, dtype=torch.long, device=device)
-        decodes = DecodeGroup.of(sequences, device, attention.decode_pieces(self.num_kv_heads))
-        self.cache.batch = PagedBatch(slot_mapping, sequences, decodes, rows, compressed, headwise)
+        if not ids:
+            return torch.cat(sampled)
+        self.cache.batch = plan.build(row, attention.decode_pieces(self.num_kv_heads))
+        device = self.device
         try:
             with self._mlps_in_row_slices(len(ids)):
                 output = self.model(
@@ -92,7 +87,11 @@ class ModelRunner:
                 )
         finally:
             self.cache.batch = None
-        return output.logits[0].float()
+        logits = output.logits[0].float()
+        if not plan.alone:
+            return logits
+        rows = iter(logits.split([n for n in sampled if isinstance(n, int)]))
+        return torch.cat([next(rows) if isinstance(n, int) else n for n in sampled])
 
     @contextmanager
     def _mlps_in_row_slices(self, tokens: int) -> Iterator[None]:
@@ -114,26 +113,6 @@ class ModelRunner:
         finally:
             for mlp in self.mlps:
                 del mlp.forward
-
-    def _codes(self, seq: Sequence) -> CodedTokens | None:
-        """Where a compressed sequence's quantized groups are, for attention (None when it has none)."""
-        if seq.kv is None or not seq.kv.groups:
-            return None
-        code_format = seq.kv.code_format
-        return CodedTokens(self.pool, code_format, code_format.locate(seq.code_table, 0, seq.kv.groups, self.device))
-
-    def _runs(self, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
-        """Maximal runs of consecutive slots holding ``seq``'s first ``tokens`` tokens, in order."""
-        size, runs = self.block_size, []
-        for index, block in enumerate(seq.block_table[: -(-tokens // size)]):
-            stop = block * size + min(size, tokens - index * size)
-            if runs and runs[-1][1] == block * size:
-                runs[-1] = (runs[-1][0], stop)
-            else:
-                runs.append((block * size, stop))
-        return runs
-
-
 
 #: Most tokens an MLP computes at once in an engine step on a CPU (see ``ModelRunner._mlps_in_row_slices``).
 MLP_ROWS = 1024

@@ -35,8 +35,8 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import torch
 
-from kvopt.cache.paged import PagedKVPool
-from kvopt.cache.paged_compressed import CompressedKV, PromptState
+from kvopt.engine.kv.paged import PagedKVPool
+from kvopt.engine.kv.compressed import PromptState
 from kvopt.codec.blocks import decode_block, decode_state, encode_block, encode_state, snapshot_state
 from kvopt.codec.encodings import ENCODINGS
 from kvopt.codec.errors import CacheFileError
@@ -111,9 +111,9 @@ class KVOffload:
         """Start bringing ``seq``'s prompt blocks (or state) into the first tier (when slower tiers stand behind it)."""
         if len(self.chain.tiers) == 1:
             return
-        if seq.kv is None:
+        if seq.kv.shares_blocks:
             self.chain.prefetch([self.key(digest) for digest in self.manager.prompt_hashes(seq)])
-        elif isinstance(seq.kv, CompressedKV):
+        elif seq.kv.keeps_prompt_state:
             self.chain.prefetch([self.state_key(seq)])
 
     def restore(self, seq: Sequence, hashes: list[bytes], start: int) -> list[int]:
@@ -135,8 +135,8 @@ class KVOffload:
     def restore_state(self, seq: Sequence) -> PromptState | None:
         """A compressed sequence's state after its prompt, from the tiers (checked against its spec, prompt and
         layout; not yet in the pool), or None."""
-        if not isinstance(seq.kv, CompressedKV):
-            return None  # head-wise budgets (pyramidkv, adakv) keep no state in the tiers
+        if not seq.kv.keeps_prompt_state:
+            return None
 
         def decode(data: bytes, source: str) -> PromptState:
             state, meta = decode_state(data, self.fingerprint, self.model, source)
@@ -184,7 +184,7 @@ class KVOffload:
     def save_state(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Queue a compressed sequence's state right after its prompt's prefill, with the ``logits [vocab]`` its
         first token is sampled from."""
-        if not isinstance(seq.kv, CompressedKV):
+        if not seq.kv.keeps_prompt_state:
             return
         key = self.state_key(seq)
         if key in self._known:

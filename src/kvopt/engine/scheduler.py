@@ -9,7 +9,7 @@ copied to host memory and copied back when room returns. Waiting sequences are a
 only in steps that preempted nothing, first come first served or by priority; one whose next
 uncached block another sequence computes in this very step waits a step and then finds it in
 the prefix cache (requests sharing a system prompt that arrive together compute it once).
-A compressed sequence (:mod:`kvopt.cache.paged_compressed`) computes its prompt in one pass, so
+A compressed sequence (:mod:`kvopt.engine.kv.compressed`) computes its prompt in one pass, so
 that its methods see the whole prompt as in ``generate`` (one such prompt per step may exceed the
 token budget), and gets blocks only for what its methods keep; one whose prompt's state is found in
 the KV tiers gets blocks for that state and computes nothing (its first token is sampled from the
@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from kvopt.cache.paged_compressed import PromptState
+from kvopt.engine.kv.compressed import PromptState
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
 from kvopt.engine.offload import KVOffload
@@ -93,7 +93,7 @@ class Drafting:
         from its prompt's logits), nor for a seeded sampled request (whether it drafts depends on the batch, and
         drafting changes which random numbers it draws: its samples would too)."""
         params = seq.params
-        if seq.kv is not None or seq.num_uncomputed_tokens != 1 or seq.width > 1:
+        if not seq.kv.shares_blocks or seq.num_uncomputed_tokens != 1 or seq.width > 1:
             return []
         if running > (self.max_batch or running) or (params.seed is not None and not params.greedy):
             return []
@@ -204,22 +204,21 @@ class Scheduler:
                     break
                 occupied += seq.width
                 continue
-            compressed = seq.kv is not None  # compressed sequences neither use nor fill the prefix cache
-            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not compressed else []
+            whole = not seq.kv.shares_blocks  # neither uses nor fills the prefix cache; its prompt runs in one pass
+            hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not whole else []
             cached = manager.cached_prefix(seq, hashes)
             if self.offload is not None and len(cached) < len(hashes):
                 cached += self.offload.restore(seq, hashes, len(cached))
             if len(cached) < len(hashes) and hashes[len(cached)] in computing:
                 break  # cached after this step: admitted next step, computing only what is its own
             uncomputed = len(seq) - len(cached) * manager.block_size
-            if compressed and uncomputed > budget and admitted:
+            if whole and uncomputed > budget and admitted:
                 break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
-            num_tokens = uncomputed if compressed else min(uncomputed, budget)
+            num_tokens = uncomputed if whole else min(uncomputed, budget)
             # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
             # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
             # gets blocks for what its methods keep (its own tokens never reach its slots).
-            slots = min(uncomputed, seq.kv.reserve_tokens(uncomputed)) if compressed else uncomputed
-            if not manager.allocate_slots(seq, slots, cached):
+            if not manager.allocate_slots(seq, min(uncomputed, seq.kv.reserve_tokens(uncomputed)), cached):
                 break
             if not seq.prefix_looked_up:
                 seq.prefix_looked_up = True
@@ -236,7 +235,7 @@ class Scheduler:
 
     def _stored_state(self, seq: Sequence) -> PromptState | None:
         """A compressed prompt's state from the KV tiers (looked up once, at its first admission), or None."""
-        if seq.kv is not None and self.offload is not None and not seq.prefix_looked_up:
+        if seq.kv.keeps_prompt_state and self.offload is not None and not seq.prefix_looked_up:
             seq.prefix_looked_up = True
             seq.prompt_state = self.offload.restore_state(seq)
             seq.num_cached_tokens = seq.num_prompt_tokens if seq.prompt_state is not None else 0
@@ -266,8 +265,7 @@ class Scheduler:
             if block_ids is None:
                 return
             seq.block_table, seq.code_table = block_ids[: saved.num_table_blocks], block_ids[saved.num_table_blocks :]
-            if seq.kv is not None:
-                seq.kv.relocate(dict(zip(saved.block_ids, block_ids)))
+            seq.kv.relocate(dict(zip(saved.block_ids, block_ids)))
             self.swapper.swap_in(saved.contents, block_ids)
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -279,9 +277,7 @@ class Scheduler:
         self.num_preemptions += 1
         swap = self.config.preemption_mode == "swap" and self.swapper is not None
         if swap and seq.num_computed_tokens:
-            held = seq.block_table[: self.block_manager.blocks_needed(seq.num_computed_tokens)]
-            if seq.kv is not None:  # its tables hold exactly its stored tokens and groups
-                held = seq.block_table + seq.code_table
+            held = seq.kv.held_blocks(seq, self.block_manager.block_size)
             saved = SwappedBlocks(self.swapper.swap_out(held), held, min(len(held), len(seq.block_table)))
             computed = seq.num_computed_tokens
             self.block_manager.free(seq)
@@ -290,8 +286,7 @@ class Scheduler:
             self.swapped.append((seq, saved))
             return
         self.block_manager.free(seq)
-        if seq.kv is not None:
-            seq.kv.reset()
+        seq.kv.reset()
         self.add(seq)
 
     # -- after the step -------------------------------------------------------------------
@@ -304,7 +299,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped = deque(item for item in self.swapped if item[0] is not seq)
         if seq.block_table:
-            if seq.kv is None:  # blocks its last step filled (accepted drafts) are named before they are freed
+            if seq.kv.shares_blocks:  # blocks its last step filled (accepted drafts) are named before they are freed
                 self.block_manager.cache_full_blocks(seq)
                 if self.offload is not None:
                     self.offload.save(seq)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvopt.cache.paged_compressed import CompressedKV, PromptState
-from kvopt.cache.paged_headwise import HeadwiseKV
+from kvopt.engine.kv.base import SequenceKV
+from kvopt.engine.kv.compressed import PromptState
+from kvopt.engine.kv.lossless import LosslessKV
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.speculative.control import DraftPace
 
@@ -45,8 +46,8 @@ class Sequence:
     num_cached_tokens: int = 0
     prefix_looked_up: bool = False
     block_table: list[int] = field(default_factory=list)
-    #: A compressed sequence's cache state (None: lossless, every computed token in ``block_table``).
-    kv: CompressedKV | HeadwiseKV | None = None
+    #: How its KV is held (:mod:`kvopt.engine.kv`): the engine drives it through this protocol alone.
+    kv: SequenceKV = field(default_factory=LosslessKV)
     #: A compressed sequence's blocks of quantized groups.
     code_table: list[int] = field(default_factory=list)
     #: A compressed prompt's state found in the KV tiers, until it is installed at admission.
@@ -82,13 +83,11 @@ class Sequence:
     @property
     def num_stored_tokens(self) -> int:
         """Tokens in the slots of ``block_table`` (fewer than computed once a method compressed them)."""
-        return self.num_computed_tokens if self.kv is None else self.kv.stored
+        return self.kv.stored_tokens(self.num_computed_tokens)
 
     def slots_needed(self, num_new_tokens: int) -> int:
         """Slots ``block_table`` must have once ``num_new_tokens`` more tokens are stored."""
-        if self.kv is None:
-            return self.num_computed_tokens + num_new_tokens
-        return self.kv.slots_needed(num_new_tokens)
+        return self.kv.slots_needed(self.num_computed_tokens, num_new_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -87,12 +87,13 @@ class Method:
     #: True when eviction only ever drops the oldest tokens, so the kept ones stay a run of positions held as
     #: its first; any other eviction keeps an int32 position per token and KV head (``kvopt memory`` counts them).
     evicts_oldest_only: ClassVar[bool] = False
-    #: True when the serving engine's paged blocks can hold what the method keeps (``kvopt.LLM`` serves
-    #: it): tokens at full precision or in one quantized format, layer by layer (no ranking across
-    #: layers), and attention reads the keys as stored.
+    #: True when the serving engine's block layouts can hold what the method keeps: tokens at full precision or
+    #: in one quantized format, layer by layer (no ranking across layers), and attention reads the keys as stored.
+    #: The engine serves every method either way; the others run in each sequence's own cache
+    #: (:mod:`kvopt.engine.kv.cache_backed`), which reads nothing in place.
     runs_in_engine: ClassVar[bool] = False
     #: False when layers or KV heads keep different numbers of tokens (the engine then stores the
-    #: sequence in head blocks, :mod:`kvopt.cache.paged_headwise`).
+    #: sequence in head blocks, :mod:`kvopt.engine.kv.headwise`).
     uniform_budgets: ClassVar[bool] = True
 
     #: True when, once the prompt is cached, :meth:`after_attention` reads only the stored tokens (never

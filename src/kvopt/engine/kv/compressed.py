@@ -24,7 +24,7 @@ from the forward pass straight to the methods, and only what they keep is writte
 (the prefill peak is one layer of one prompt, not the whole prompt in every layer). Every
 layer and head keeps the same number of tokens here (one block table serves all layers):
 specs whose layers or heads get budgets of their own (pyramidkv, adakv) are served by
-:mod:`kvopt.cache.paged_headwise`; methods that rank all layers together (kvzip, lava) and
+:mod:`kvopt.engine.kv.headwise`; methods that rank all layers together (kvzip, lava) and
 cross-layer merging are not served yet (``Method.runs_in_engine``).
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -40,8 +41,13 @@ from kvopt.cache.layer import AttentionStep, KVLayer
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.storage import DenseKVStore
+from kvopt.engine.kv.base import table_fill
+from kvopt.engine.kv.paged import SequenceSlots
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
+
+if TYPE_CHECKING:
+    from kvopt.engine.kv.paged import StepPlan
 
 #: ``(shape after the group axis, dtype)`` of a quantized tensor's codes, scales and zero-points.
 Fields = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -230,6 +236,9 @@ class CompressedStep:
 class CompressedKV:
     """One sequence's compressed cache: counts, per-layer method state, and this step's layout."""
 
+    shares_blocks: ClassVar[bool] = False
+    keeps_prompt_state: ClassVar[bool] = True
+
     def __init__(self, methods: list, num_layers: int, block_size: int, code_format: CodeFormat | None) -> None:
         self.methods = methods
         self.num_layers = num_layers
@@ -254,14 +263,29 @@ class CompressedKV:
         code_blocks = self._code_blocks(quantized // self.code_format.group if quantized else 0)
         return (-(-(tokens - quantized) // self.block_size) + code_blocks) * self.block_size
 
-    def slots_needed(self, new_tokens: int) -> int:
+    def stored_tokens(self, computed: int) -> int:
+        return self.stored
+
+    def slots_needed(self, computed: int, new_tokens: int) -> int:
         """Slots the block table needs once ``new_tokens`` more tokens are stored."""
         return self.stored + new_tokens
+
+    def held_blocks(self, seq, block_size: int) -> list[int]:
+        """Its tables hold exactly its stored tokens and groups."""
+        return seq.block_table + seq.code_table
+
+    def filled_slots(self, seq, block_size: int) -> dict[int, int]:
+        """Full-precision blocks by tokens; a block of quantized groups by the share of its records in use."""
+        filled = table_fill(seq.block_table, self.stored, block_size)
+        per_block = self.code_format.groups_per_block if self.code_format is not None else 1
+        for index, block_id in enumerate(seq.code_table):
+            filled[block_id] = block_size * min(per_block, self.groups - index * per_block) // per_block
+        return filled
 
     def relocate(self, moved: dict[int, int]) -> None:
         """Blocks came back from a swap at new ids: nothing to do, block ids live only in the sequence's tables."""
 
-    def nbytes(self, block_bytes: int) -> int:
+    def nbytes(self, seq, block_bytes: int) -> int:
         return (-(-self.stored // self.block_size) + self._code_blocks(self.groups)) * block_bytes
 
     def _code_blocks(self, groups: int) -> int:
@@ -403,13 +427,31 @@ class CompressedKV:
         self.layout = Layout(stored, groups, step.block_table[:fp_blocks], step.code_table + taken, spare[len(taken):])
         return self.layout
 
-    def commit(self) -> Layout:
-        """The step's layout, once every layer followed it (the engine updates the tables and frees blocks)."""
+    def plan(self, plan: StepPlan, seq, row: int, count: int) -> bool:
+        """The prompt's tokens go straight to the methods (nothing of it is in the pool yet); later tokens are
+        stored and attended like a lossless sequence's, over the kept ones and the quantized groups."""
+        first = seq.num_computed_tokens
+        is_prefill = first == 0
+        runs = [] if is_prefill else plan.runs(seq.block_table, self.stored + count)
+        if not is_prefill:
+            plan.store_new(runs, row, count)
+        codes = None
+        if self.groups:
+            where = self.code_format.locate(seq.code_table, 0, self.groups, plan.device)
+            codes = CodedTokens(plan.pool, self.code_format, where)
+        plan.sequences.append(SequenceSlots.of(row, row + count, runs, plan.device, codes))
+        plan.compressed.append(CompressedStep(self, row, row + count, first, is_prefill, runs, list(seq.block_table),
+                                              list(seq.code_table)))  # fmt: skip
+        return True
+
+    def commit(self, seq, drafted: int, accepted: int, block_size: int) -> list[int]:
+        """Follow the step's layout, once every layer followed it: the sequence's tables, and the blocks freed."""
         layout, self.layout = self.layout, None
         if layout is None:
             raise CacheUsageError("a compressed sequence's step ended before its layers ran; this is a kvopt bug")
         self.stored, self.groups = layout.stored, layout.groups
-        return layout
+        seq.block_table, seq.code_table = layout.block_table, layout.code_table
+        return layout.freed
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Compressed sequences whose layers or KV heads keep different numbers of tokens (pyramidkv, adakv).
 
-The uniform layout of :mod:`kvopt.cache.paged_compressed` (stored token ``j`` at slot ``j`` in
+The uniform layout of :mod:`kvopt.engine.kv.compressed` (stored token ``j`` at slot ``j`` in
 every layer and head) does not fit budgets that differ by layer or by head: sized by the
 largest layer or head, it would hold the very memory those methods free. Here a sequence's
 blocks are cut into **head blocks**: ``block_size`` slots of one KV head in one layer's pool,
@@ -21,12 +21,14 @@ uniform layout reads them in place; this is the price of budgets that differ.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvopt.cache import attention
 from kvopt.cache.layer import KVLayer
-from kvopt.cache.paged_compressed import Layout, kept_after_prefill
+from kvopt.engine.kv.base import table_fill
+from kvopt.engine.kv.compressed import kept_after_prefill
 from kvopt.cache.ragged import RaggedKV
 from kvopt.cache.storage import DenseKVStore
 from kvopt.errors import CacheUsageError
@@ -85,7 +87,7 @@ class HeadwiseMemo:
     #: Pool rows of the prefix's tokens ``[prefix tokens]`` and of the dense tail's ``[kv_heads, tail]``.
     prefix_rows: torch.Tensor | None = None
     tail_rows: torch.Tensor | None = None
-    #: The dense tail's store state (as :class:`~kvopt.cache.paged_compressed.LayerMemo`).
+    #: The dense tail's store state (as :class:`~kvopt.engine.kv.compressed.LayerMemo`).
     tail_positions: torch.Tensor | None = None
     first_position: int = 0
     heads_aligned: bool = True
@@ -112,17 +114,21 @@ class HeadwiseStep:
     computed: int
     block_table: list[int]
 
+    def attend(self, index: int, module, query, key, value, scaling, sliding_window, softcap) -> torch.Tensor:
+        return self.kv.attend(index, module, self, query, key, value, scaling, sliding_window, softcap)
+
 
 class HeadwiseKV:
     """One sequence's cache in head blocks: per-layer memos and this step's block table."""
+
+    shares_blocks: ClassVar[bool] = False
+    keeps_prompt_state: ClassVar[bool] = False  # its head blocks' layout is not a tier entry (yet)
 
     def __init__(self, methods: list, pool) -> None:
         self.methods = methods
         self.pool = pool
         self.num_layers, self.kv_heads = len(pool.keys), pool.keys[0].shape[0]
         self.block_size, self.slots, self.device = pool.block_size, pool.keys[0].shape[1], pool.keys[0].device
-        self.code_format = None  # quantized groups are not held in head blocks
-        self.groups = 0
         self.reset()
 
     def reset(self) -> None:
@@ -131,11 +137,13 @@ class HeadwiseKV:
         self.memos = [HeadwiseMemo([[] for _ in range(self.kv_heads)]) for _ in range(self.num_layers)]
 
     # -- accounting for the scheduler --------------------------------------------------------
-    @property
-    def stored(self) -> int:
+    def stored_tokens(self, computed: int) -> int:
         """Tokens held, averaged over (layer, head) pairs and rounded up (what the blocks' slots are filled with)."""
         total = sum(sum(memo.counts()) for memo in self.memos)
         return -(-total // (self.num_layers * self.kv_heads))
+
+    def held_blocks(self, seq, block_size: int) -> list[int]:
+        return list(seq.block_table)
 
     def reserve_tokens(self, tokens: int) -> int:
         """Slots to give a prompt of ``tokens``: the methods' average keep, one block for the partly
@@ -143,7 +151,7 @@ class HeadwiseKV:
         kept = kept_after_prefill(self.methods, tokens)
         return (-(-kept // self.block_size) + 2) * self.block_size
 
-    def slots_needed(self, new_tokens: int) -> int:
+    def slots_needed(self, computed: int, new_tokens: int) -> int:
         """Slots the block table needs for ``new_tokens`` more tokens in every (layer, head)."""
         used = growth = 0
         for memo in self.memos:
@@ -151,6 +159,9 @@ class HeadwiseKV:
                 used += len(head_blocks)
                 growth += max(0, -(-(count + new_tokens) // self.block_size) - len(head_blocks))
         return -(-(used + growth) // self.blocks.per_block) * self.block_size
+
+    def filled_slots(self, seq, block_size: int) -> dict[int, int]:
+        return table_fill(seq.block_table, self.stored_tokens(0), block_size)
 
     def relocate(self, moved: dict[int, int]) -> None:
         """Follow blocks swapped back in at new ids (``moved``: old id -> new id): head block names and pool rows."""
@@ -167,7 +178,7 @@ class HeadwiseKV:
             if memo.tail_rows is not None:
                 memo.tail_rows = torch.stack([self._rows(hbs, n, n + tail) for hbs, n in zip(memo.head_blocks, prefix)])
 
-    def nbytes(self, block_bytes: int) -> int:
+    def nbytes(self, seq, block_bytes: int) -> int:
         return len(self.blocks.order) * block_bytes
 
     # -- one layer of one step ------------------------------------------------------------------
@@ -282,10 +293,15 @@ class HeadwiseKV:
         self.pool.flat_keys.index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
         self.pool.flat_values.index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
 
-    def commit(self) -> Layout:
-        """The blocks still holding tokens, and those emptied (the engine returns them to the pool)."""
+    def plan(self, plan, seq, row: int, count: int) -> bool:
+        plan.own.append(HeadwiseStep(self, row, row + count, seq.num_computed_tokens, list(seq.block_table)))
+        return True
+
+    def commit(self, seq, drafted: int, accepted: int, block_size: int) -> list[int]:
+        """Keep the blocks still holding tokens; give back those emptied."""
         kept, empty = self.blocks.release_empty()
-        return Layout(self.stored, 0, list(kept), [], empty)
+        seq.block_table = list(kept)
+        return empty
 
 
 def _gather_with_room(flat: torch.Tensor, rows: torch.Tensor, room: int) -> torch.Tensor:

@@ -17,16 +17,18 @@ keys) are merged exactly through their log-sum-exp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
 
 from kvopt.cache import attention
-from kvopt.cache.paged_compressed import CodedTokens, CompressedStep
-from kvopt.cache.paged_headwise import HeadwiseStep
 from kvopt.cache.seam_layer import SeamLayer
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
+
+if TYPE_CHECKING:
+    from kvopt.engine.kv.compressed import CodedTokens, CompressedStep
 
 
 
@@ -120,14 +122,56 @@ class PagedBatch:
 
     #: Slot of every new token of the flattened batch that is stored as computed, ``[stored tokens]`` int64.
     slot_mapping: torch.Tensor
+    #: Sequences attended over their slots in the pool (lossless, and compressed ones' kept tokens).
     sequences: list[SequenceSlots] = field(default_factory=list)
     decodes: DecodeGroup | None = None
     #: Rows of the flattened batch ``slot_mapping`` stores (None: all): a compressed prompt's rows go
-    #: to its methods instead (see :mod:`kvopt.cache.paged_compressed`).
+    #: to its methods instead (see :mod:`kvopt.engine.kv.compressed`).
     stored_rows: torch.Tensor | None = None
+    #: Sequences whose methods act on what attention read from the pool, after it (:class:`CompressedStep`).
     compressed: list[CompressedStep] = field(default_factory=list)
-    #: Sequences whose layers or heads keep budgets of their own: they store and attend themselves.
-    headwise: list[HeadwiseStep] = field(default_factory=list)
+    #: Sequences that store and attend themselves: ``attend(layer, module, query, key, value, scaling,
+    #: sliding_window, softcap)`` over their rows ``first:end`` (head blocks, their own caches).
+    own: list = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """The step's flattened batch as its sequences' KV objects lay it out (:meth:`SequenceKV.plan`)."""
+
+    pool: PagedKVPool
+    device: torch.device
+    new_slots: list[torch.Tensor] = field(default_factory=list)
+    stored_rows: list[int] = field(default_factory=list)
+    sequences: list[SequenceSlots] = field(default_factory=list)
+    compressed: list[CompressedStep] = field(default_factory=list)
+    own: list = field(default_factory=list)
+    #: Sequences computing their tokens outside the batch this step (``compute() -> logits [1, vocab]``).
+    alone: list = field(default_factory=list)
+
+    def runs(self, block_table: list[int], tokens: int) -> list[tuple[int, int]]:
+        """Maximal runs of consecutive slots holding a sequence's first ``tokens`` tokens, in order."""
+        size, runs = self.pool.block_size, []
+        for index, block in enumerate(block_table[: -(-tokens // size)]):
+            stop = block * size + min(size, tokens - index * size)
+            if runs and runs[-1][1] == block * size:
+                runs[-1] = (runs[-1][0], stop)
+            else:
+                runs.append((block * size, stop))
+        return runs
+
+    def store_new(self, runs: list[tuple[int, int]], row: int, count: int) -> None:
+        """The rows ``row ... row + count - 1`` are stored in the last ``count`` slots of ``runs``."""
+        self.new_slots.append(slots_of(last_tokens(runs, count), "cpu"))  # one copy to the device in build()
+        self.stored_rows.extend(range(row, row + count))
+
+    def build(self, rows: int, pieces: int) -> PagedBatch:
+        """The per-step context of a batch of ``rows`` tokens (decodes cut into ``pieces`` per sequence)."""
+        device = self.device
+        slot_mapping = torch.cat(self.new_slots).to(device) if self.new_slots else torch.zeros(0, dtype=torch.long, device=device)
+        stored = None if len(self.stored_rows) == rows else torch.tensor(self.stored_rows, dtype=torch.long, device=device)
+        decodes = DecodeGroup.of(self.sequences, device, pieces)
+        return PagedBatch(slot_mapping, self.sequences, decodes, stored, self.compressed, self.own)
 
 
 class PagedKVPool:
@@ -136,7 +180,7 @@ class PagedKVPool:
     def __init__(self, info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         # One tensor for all layers, seen per layer (``keys[layer]``) and flattened to rows of one head and
-        # slot (``flat_keys``), where head blocks of any layer are gathered at once (:mod:`.paged_headwise`).
+        # slot (``flat_keys``), where head blocks of any layer are gathered at once (:mod:`.headwise`).
         shape = (info.num_layers, info.num_kv_heads, num_blocks * block_size, info.head_dim)
         all_keys = torch.zeros(shape, dtype=dtype, device=device)
         all_values = torch.zeros(shape, dtype=dtype, device=device)
@@ -228,10 +272,10 @@ class PagedLayer(SeamLayer):
             else:
                 seq_keys, seq_values = _read_runs(keys, step.runs), _read_runs(values, step.runs)
             step.kv.after_attention(self.index, module, pool, step, query[:, :, rows], seq_keys, seq_values, scaling)
-        for step in batch.headwise:
+        for step in batch.own:
             rows = slice(step.first, step.end)
-            output[:, rows] = step.kv.attend(self.index, module, step, query[:, :, rows], key[:, :, rows],
-                                             value[:, :, rows], scaling, sliding_window, softcap)  # fmt: skip
+            output[:, rows] = step.attend(self.index, module, query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                                          scaling, sliding_window, softcap)  # fmt: skip
         return output
 
 
