@@ -32,7 +32,7 @@ def serve(
     max_waiting: Annotated[int, typer.Option(min=0, help="requests that may wait beyond --max-num-seqs running ones (429 beyond)")] = 256,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body (413 beyond)")] = 4 * 2**20,
     request_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request may take (408 beyond)")] = 600.0,
-    shutdown_timeout: Annotated[float, typer.Option(min=0, help="seconds open requests may take to finish after SIGTERM")] = 30.0,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="seconds open requests may take to finish after SIGTERM (then: 503)")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="log every request")] = True,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads; default: torch's (on a machine "
                                                    "other busy processes share, fewer avoids spinning threads)")] = None,
@@ -72,6 +72,6 @@ def serve(
 
     settings = ServerSettings(
         served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,
-        max_waiting, max_body_bytes, request_timeout,
+        max_waiting, max_body_bytes, request_timeout, shutdown_timeout,
     )  # fmt: skip
-    run(load, settings, host, port, shutdown_timeout, access_log)
+    run(load, settings, host, port, access_log)

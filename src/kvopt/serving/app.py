@@ -55,6 +55,8 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     #: Seconds a request may take from admission to its last token.
     request_timeout: float = 600.0
+    #: Seconds open requests may take to finish after SIGTERM; those still open then end with a 503.
+    shutdown_timeout: float = 30.0
 
 
 class ClientGone(Exception):
@@ -79,6 +81,19 @@ class OpenAIServer:
         await asyncio.to_thread(self.client.stop)
         if self._tokenizer is not None:
             self._tokenizer.close()
+
+    def drain(self) -> None:
+        """A shutdown signal arrived (called in the signal handler): refuse new requests at once, and end those still
+        open after ``shutdown_timeout`` with a 503 (a stream: an ``error`` event, then ``[DONE]``) so none is left for
+        uvicorn to cancel (a text/plain 500 or a cut stream, and a ``CancelledError`` traceback, each)."""
+        if self.draining:
+            return
+        self.draining = True
+        loop, timeout = self.client.loop, self.settings.shutdown_timeout
+        reason = (f"the server shut down before this request finished (it waited --shutdown-timeout {timeout:g} s); "
+                  "retry on another instance")  # fmt: skip
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.call_later, timeout, self.client.end_requests, reason)
 
     @property
     def tokenizer(self) -> AsyncTokenizer:

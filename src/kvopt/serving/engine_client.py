@@ -88,6 +88,8 @@ class EngineClient:
         self.tokenizer = None
         self.failure: BaseException | None = None
         self.streams: dict[str, RequestStream] = {}
+        #: Why requests are no longer accepted (:meth:`end_requests`); None while they are.
+        self.ended: str | None = None
         self.commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -133,6 +135,8 @@ class EngineClient:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request on the engine; its outputs arrive on the returned stream."""
         self.check_ready()
+        if self.ended is not None:
+            raise EngineUnavailableError(self.ended)
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream
 
@@ -169,9 +173,12 @@ class EngineClient:
                 stream.delivered.append(now)
                 stream.queue.put_nowait(output)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def end_requests(self, reason: str) -> None:
+        """Fail every open request with ``reason`` (a 503), and refuse new ones so: the engine failed, or the server
+        is shutting down and its open requests ran out of time (event-loop side)."""
+        self.ended = reason
         for stream in list(self.streams.values()):
-            stream.queue.put_nowait(EngineUnavailableError(f"the engine failed: {error}"))
+            stream.queue.put_nowait(EngineUnavailableError(reason))
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -197,7 +204,7 @@ class EngineClient:
                 outputs = engine.step()
             except Exception as error:  # noqa: BLE001 - a bug or out of memory: every open request fails
                 self._failed(error, "an engine step failed")
-                self.loop.call_soon_threadsafe(self._fail_all, error)
+                self.loop.call_soon_threadsafe(self.end_requests, f"the engine failed: {error}")
                 return
             if outputs:
                 for output in outputs:  # later steps append to these; hand over this step's state

@@ -1,8 +1,8 @@
 """Running the app under uvicorn: in the foreground (``kvopt serve``) or on a background thread.
 
 Shutdown on SIGTERM/SIGINT is uvicorn's graceful one (stop accepting connections, let open
-requests finish, up to ``shutdown_timeout`` seconds, then stop the engine), plus 503 for any
-request that still arrives on an open connection meanwhile.
+requests finish, then stop the engine), plus 503 for any request that still arrives on an open
+connection meanwhile; requests still open after ``shutdown_timeout`` seconds end with a 503 too.
 """
 
 from __future__ import annotations
@@ -24,16 +24,22 @@ if TYPE_CHECKING:
     from kvopt.engine import LLMEngine
 
 
+#: Seconds past ``shutdown_timeout`` before uvicorn cancels what still runs: the app ends every open request at the
+#: timeout itself (a 503), so only a handler stuck outside the engine is ever cancelled.
+CANCEL_AFTER_S = 5.0
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, telling the app to refuse new requests as soon as a shutdown signal arrives."""
+    """uvicorn's server, telling the app as soon as a shutdown signal arrives (it refuses new requests, and ends
+    those still open when the shutdown timeout passes)."""
 
     def handle_exit(self, sig, frame) -> None:
-        self.config.app.state.server.draining = True
+        self.config.app.state.server.drain()
         super().handle_exit(sig, frame)
 
 
 def serve(load: Callable[[], LLMEngine], settings: ServerSettings, host: str, port: int,
-          shutdown_timeout: float = 30.0, access_log: bool = True) -> None:  # fmt: skip
+          access_log: bool = True) -> None:  # fmt: skip
     """Listen on ``host:port`` at once (``/health`` answers 503 while ``load`` builds the engine) until a signal.
 
     A model that fails to load stops the server and raises its error here.
@@ -47,8 +53,8 @@ def serve(load: Callable[[], LLMEngine], settings: ServerSettings, host: str, po
     app = build_app(client, settings)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # kvopt's own lines (engine ready, failures) beside uvicorn's
     log_config["loggers"]["kvopt"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
-    server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
-                                   access_log=access_log, log_config=log_config))  # fmt: skip
+    server = Server(uvicorn.Config(app, host=host, port=port, access_log=access_log, log_config=log_config,
+                                   timeout_graceful_shutdown=settings.shutdown_timeout + CANCEL_AFTER_S))  # fmt: skip
     server.run()
     if isinstance(client.failure, KVOptError):
         raise client.failure
