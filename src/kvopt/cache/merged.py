@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.cache.attention_math import attention_with_lse, visibility
+from kvopt.cache.part import tensor_bytes
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 
@@ -39,8 +40,12 @@ class PlainKV:
         self.values = torch.cat([self.values, other.values], 2)
         self.index = self.index.cat(other.index)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return [self.keys, self.values, *self.index.tensors()]
+
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2 + self.index.nbytes()
+        return tensor_bytes(self.tensors())
 
 
 def slerp_merge(first: torch.Tensor, second: torch.Tensor, t: float) -> tuple[torch.Tensor, ...]:
@@ -85,9 +90,12 @@ class MergedPair:
         self.retained_index = torch.cat([self.retained_index, other.retained_index + offset], -1)
         self.retained = torch.cat([self.retained, other.retained], -2)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence, by both layers of the pair (what nbytes counts)."""
+        return [*self.direction.tensors(), self.magnitudes, self.retained_index, self.retained]
+
     def nbytes(self) -> int:
-        tensors = (self.magnitudes, self.retained_index, self.retained)
-        return self.direction.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
+        return tensor_bytes(self.tensors())
 
     def layer_kv(self, role: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, T, D]`` of the pair's first (0) or second (1) layer."""
@@ -120,9 +128,13 @@ class MergedView:
         mask = visibility(*self.pair.index.span(0, len(self.pair)), query_positions)
         return attention_with_lse(query, keys, values, mask, scaling, softcap)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence: its pair's, which the pair's other layer's view holds too."""
+        return self.pair.tensors()
+
     def nbytes(self) -> int:
         """Half the shared bytes (the first layer of the pair counts the odd byte), so a cache counts them once."""
-        shared = self.pair.nbytes()
+        shared = tensor_bytes(self.tensors())
         return shared // 2 + (shared % 2 if self.role == 0 else 0)
 
     def valid_counts(self) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 from kvopt.cache import prerope
 from kvopt.cache.attention_math import attention_with_lse, attention_with_shared_sums, merge_with_lse, visibility
 from kvopt.cache.crosslayer import LayerPredictor
+from kvopt.cache.part import tensor_bytes
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quant import records_gradients, workspace
 from kvopt.cache.quantized import attend_in_blocks, block_tokens
@@ -138,10 +139,11 @@ class Vectors:
     group: int = 1
 
     def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
         return [self.codes, self.sparse_values, self.sparse_index, self.lower, self.upper]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return tensor_bytes(self.tensors())
 
     def narrow(self, start: int, stop: int) -> Vectors:
         """Tokens ``start:stop`` (on range-group boundaries)."""
@@ -292,8 +294,12 @@ class DenseBlock:
     values: torch.Tensor
     index: TokenIndex
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return [self.keys, self.values, *self.index.tensors()]
+
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2 + self.index.nbytes()
+        return tensor_bytes(self.tensors())
 
     def attend(self, query, query_positions, scaling, softcap):
         mask = visibility(*self.index.span(0, self.index.length), query_positions)
@@ -393,10 +399,16 @@ class NonUniformKV:
             keys = torch.cat([kept.slice(kept.first, held), new.keys], dim=2)
             self.memo = Reconstruction(self.keys.codes, kept.first, keys)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts): not the codec, RoPE table or
+        predictor (per model) nor the transient reconstruction."""
+        held = [*self.keys.tensors(), *self.values.tensors(), *self.index.tensors()]
+        if self.offsets is not None:
+            held.append(self.offsets)
+        return held + (self.sinks.tensors() if self.sinks is not None else [])
+
     def nbytes(self) -> int:
-        held = self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
-        offsets = 0 if self.offsets is None else self.offsets.numel() * self.offsets.element_size()
-        return held + offsets + (self.sinks.nbytes() if self.sinks is not None else 0)
+        return tensor_bytes(self.tensors())
 
     def valid_counts(self) -> torch.Tensor:
         counts = self.index.valid_counts()

@@ -9,9 +9,15 @@ know what a part is: it asks each one to attend, to count its bytes and its real
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` (each counted whole: a view counts its own elements)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @runtime_checkable
@@ -31,8 +37,13 @@ class KVPart(Protocol):
         ``(output [B, H_q, q, D], lse [B, H_q, q])`` in fp32 (a query that sees none of them: lse -inf)."""
         ...
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts): never per-model tables shared by
+        all sequences (calibration codecs, RoPE tables, cached byte tables)."""
+        ...
+
     def nbytes(self) -> int:
-        """Bytes of the tensors the part holds."""
+        """Bytes of the tensors the part holds (:meth:`tensors`)."""
         ...
 
     def valid_counts(self) -> torch.Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.cache.part import tensor_bytes
+
 
 @dataclass
 class TokenIndex:
@@ -89,6 +91,9 @@ class TokenIndex:
             return self.explicit_valid
         return torch.ones(self.positions.shape, dtype=torch.bool, device=self.device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return [t for t in (self.explicit_positions, self.explicit_valid) if t is not None]
+
     def nbytes(self) -> int:
-        held = (self.explicit_positions, self.explicit_valid)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        return tensor_bytes(self.tensors())

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.cache.part import tensor_bytes
+
 BITS = (2, 4, 8)
 PARAM_DTYPE = torch.float16
 
@@ -121,8 +123,12 @@ class QuantizedGroups:
     bits: int
     dim: int
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return [self.codes, self.scale, self.zero]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        return tensor_bytes(self.tensors())
 
     def select(self, axis: int, start: int, stop: int) -> QuantizedGroups:
         """Groups ``start:stop`` along ``axis`` (an axis other than the group axis)."""

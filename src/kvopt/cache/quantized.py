@@ -28,6 +28,7 @@ import torch
 from kvopt import kernels
 from kvopt.cache import quant
 from kvopt.cache.attention_math import attention_with_lse, merge_with_lse, visibility
+from kvopt.cache.part import tensor_bytes
 from kvopt.cache.positions import TokenIndex
 
 #: Elements (batch x KV heads x tokens x head dim) of keys, and of values, dequantized at once by
@@ -139,8 +140,12 @@ class QuantizedKV:
         self.values = quant.QuantizedGroups.cat([self.values, other.values], 2)
         self.index = self.index.cat(other.index)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts)."""
+        return [*self.keys.tensors(), *self.values.tensors(), *self.index.tensors()]
+
     def nbytes(self) -> int:
-        return self.keys.nbytes() + self.values.nbytes() + self.index.nbytes()
+        return tensor_bytes(self.tensors())
 
     def valid_counts(self) -> torch.Tensor:
         """Real tokens held per batch row."""

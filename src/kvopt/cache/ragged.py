@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.cache.attention_math import attention_with_lse, visibility
+from kvopt.cache.part import tensor_bytes
 
 
 @dataclass
@@ -46,8 +47,12 @@ class RaggedKV:
         offsets[1:] = torch.tensor(lengths, device="cpu").cumsum(0)
         return cls(torch.cat(parts_k), torch.cat(parts_v), torch.cat(parts_p), offsets, batch, heads)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts)."""
+        return [self.keys, self.values, self.positions, self.offsets]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.offsets))
+        return tensor_bytes(self.tensors())
 
     def counts(self) -> torch.Tensor:
         """Tokens held per (batch row, KV head), ``[batch, kv_heads]``."""

@@ -40,6 +40,7 @@ import torch
 
 from kvopt.cache import quant
 from kvopt.cache.attention_math import attention_with_lse
+from kvopt.cache.part import tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,12 @@ class PlainVectors:
     def heads(self, start: int, stop: int) -> PlainVectors:
         return PlainVectors(self.tensor[start:stop])
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return [self.tensor]
+
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return tensor_bytes(self.tensors())
 
 
 @dataclass
@@ -118,8 +123,12 @@ class QuantizedVectors:
         return QuantizedVectors(quant.QuantizedGroups(*picked, self.groups.bits, self.groups.dim),
                                 torch.Size((stop - start, *self.shape[1:])))  # fmt: skip
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        return self.groups.tensors()
+
     def nbytes(self) -> int:
-        return self.groups.nbytes()
+        return tensor_bytes(self.tensors())
 
 
 Vectors = PlainVectors | QuantizedVectors
@@ -172,9 +181,13 @@ class SparseRow:
         """True when the chunks attended cover every token: plain attention, no approximation."""
         return -(-self.split.topk // self.split.chunk) >= self.chunks
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for the sequence (what nbytes counts)."""
+        index = [t for t in (self.positions, self.key_bounds) if t is not None]
+        return [*self.keys.tensors(), *self.values.tensors(), *index]
+
     def nbytes(self) -> int:
-        index = (t for t in (self.positions, self.key_bounds) if t is not None)
-        return self.keys.nbytes() + self.values.nbytes() + sum(t.numel() * t.element_size() for t in index)
+        return tensor_bytes(self.tensors())
 
     def select(self, query: torch.Tensor) -> torch.Tensor:
         """The chunks one query attends to, best first, ``[kv_heads, ceil(topk / chunk)]``: ``query [heads, dim]``."""
@@ -294,8 +307,12 @@ class SparseKV:
             index -= run.rows
         raise IndexError(f"no batch row {index}")
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts)."""
+        return [t for run in self.runs for t in run.tokens.tensors()]
+
     def nbytes(self) -> int:
-        return sum(run.tokens.nbytes() for run in self.runs)
+        return tensor_bytes(self.tensors())
 
     def valid_counts(self) -> torch.Tensor:
         counts = [len(run.tokens) for run in self.runs for _ in range(run.rows)]

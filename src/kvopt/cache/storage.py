@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvopt.cache.attention_math import attention_with_lse, visibility
+from kvopt.cache.part import tensor_bytes
 
 TOKEN_AXIS = 2
 
@@ -149,8 +150,12 @@ class DenseKVStore:
     def drop_extra(self, name: str) -> None:
         del self._buffers[f"extra:{name}"]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this part holds for its sequence (what nbytes counts): every buffer, slack included."""
+        return list(self._buffers.values())
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        return tensor_bytes(self.tensors())
 
     def valid_counts(self) -> torch.Tensor:
         """Valid (non-padding) tokens held per batch row (counted on KV head 0); no rows before the first append."""
