@@ -1,6 +1,7 @@
 """Issue #35, "Hardening, round two": one bad request never poisons the engine; ``LLM`` is safe from several threads;
 ``stream`` and ``abort`` always end a request; the API checks requests with the server's schema."""
 
+import re
 import threading
 import time
 
@@ -271,3 +272,28 @@ def test_kvopt_generate_refuses_ids_outside_the_vocabulary(tiny_with_tokenizer, 
     model, _ = tiny_with_tokenizer
     with pytest.raises(KVOptError, match="kvopt.generate"):
         kvopt.generate(model, ids, max_new_tokens=2)
+
+
+# -- finding 16: LLM options the engine used to bend -------------------------------------------------------
+def test_max_model_len_beyond_the_models_positions_is_refused(tiny_with_tokenizer):
+    model, tokenizer = tiny_with_tokenizer
+    with pytest.raises(KVOptError, match=r"^max_model_len=1000000000 is more than the model's maximum of 2048 "):
+        kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", max_model_len=10**9)
+
+
+def test_one_tier_given_as_a_string_is_one_tier(tiny_with_tokenizer):
+    model, tokenizer = tiny_with_tokenizer
+    llm = kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", kv_tiers="cpu:1MB")
+    assert list(llm.metrics()["kv_tiers"]) == ["cpu"]
+    assert_usable(llm)
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"kv_tiers": 5}, "kv_tiers=5 must be a tier spec or a list of them"),
+    ({"kv_tiers": ["cpu:1MB", None]}, "kv_tiers=['cpu:1MB', None] must be a tier spec"),
+    ({"max_model_len": "4096"}, "max_model_len='4096' must be an integer"),
+])  # fmt: skip
+def test_llm_options_of_the_wrong_type_are_one_line(tiny_with_tokenizer, options, fragment):
+    model, tokenizer = tiny_with_tokenizer
+    with pytest.raises(KVOptError, match=re.escape(fragment)):
+        kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", **options)

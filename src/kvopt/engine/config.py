@@ -64,10 +64,16 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} must be a positive integer")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise EngineConfigError(f"max_model_len={self.max_model_len} must be at least 2 tokens")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise EngineConfigError(f"max_model_len={self.max_model_len!r} must be an integer of at least 2 tokens")
+        if isinstance(self.kv_tiers, str):
+            self.kv_tiers = (self.kv_tiers,)  # one tier, not one per character
+        if not isinstance(self.kv_tiers, (list, tuple)) or not all(isinstance(tier, str) for tier in self.kv_tiers):
+            raise EngineConfigError(f"kv_tiers={self.kv_tiers!r} must be a tier spec or a list of them, fastest "
+                                    "first, e.g. ['cpu:4GB', 'disk:/var/cache/kvopt:20GB']")  # fmt: skip
+        self.kv_tiers = tuple(self.kv_tiers)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise EngineConfigError(f"preemption_mode={self.preemption_mode!r}; use one of {PREEMPTION_MODES}")
         if self.policy not in POLICIES:
@@ -89,6 +95,11 @@ class EngineConfig:
                 f"which needs no second model or cache per sequence; {proposer.name} runs in kvopt.generate"
             )
         return proposer
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is no count of tokens)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_memory(value: str | int | float, device: torch.device, name: str = "kv_memory") -> int:

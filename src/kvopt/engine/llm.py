@@ -9,11 +9,12 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kvopt.engine import sessions
-from kvopt.engine.config import EngineConfig
+from kvopt.engine.config import EngineConfig, EngineConfigError
 from kvopt.engine.llm_engine import LLMEngine, RequestError
 from kvopt.engine.outputs import RequestOutput
 from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt
 from kvopt.engine.sampling_params import SamplingParams
+from kvopt.models.info import ModelInfo
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -40,6 +41,7 @@ class LLM:
             from kvopt.api import load_model
 
             model, tokenizer = load_model(model, dtype=dtype, device=device)
+        _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
         self._ids = itertools.count()
         #: One caller at a time drives the engine (which is not thread-safe): add, step, abort, snapshots.
@@ -243,6 +245,14 @@ class _Progress:
     def __exit__(self, *exc) -> None:
         if self.enabled:
             self.bar.stop()
+
+
+def _check_context(max_model_len: int | None, model) -> None:
+    """A ``max_model_len`` the model's positions cannot reach is refused, not quietly lowered to them."""
+    positions = ModelInfo.from_config(model.config).max_positions
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise EngineConfigError(f"max_model_len={max_model_len} is more than the model's maximum of {positions} "
+                                f"positions; give at most {positions}, or leave it out for the model's maximum")  # fmt: skip
 
 
 def _prompt_list(prompts: object) -> list[Prompt]:

@@ -207,13 +207,13 @@ class OpenAIServer:
         streaming = False
         try:
             first = await self._until(deadline, request, anext(stream))
-            _raise_for(first)
+            _raise_for(first, stream)
             if body.stream:
                 streaming = True  # the event generator owns the stream from here
                 events = self._events(stream, first, form, body, deadline)
                 return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             final = first if first.finished else await self._until(deadline, request, _last(stream))
-            _raise_for(final)
+            _raise_for(final, stream)
             self.metrics.observe(stream)
             deltas = [whole(choice) for choice in final.outputs]
             return JSONResponse(form.body(final, await self._token_strings(form, deltas)))
@@ -248,7 +248,8 @@ class OpenAIServer:
                 async with asyncio.timeout_at(deadline):
                     output = await anext(stream)
             if output.error is not None:
-                yield sse(error_body(400, output.error))
+                failure = _failure(output, stream)
+                yield sse(error_body(failure.status_code, failure.detail))
             else:
                 self.metrics.observe(stream)
                 if usage:
@@ -284,10 +285,15 @@ class OpenAIServer:
                 "(--request-timeout); ask for fewer tokens or retry later")  # fmt: skip
 
 
-def _raise_for(output: RequestOutput) -> None:
-    """A request the engine failed (too long for the context, token ids outside the vocabulary, kv_method)."""
+def _raise_for(output: RequestOutput, stream: RequestStream) -> None:
     if output.error is not None:
-        raise APIError(400, output.error, param="kv_method" if output.error.startswith("kv_method=") else None)
+        raise _failure(output, stream)
+
+
+def _failure(output: RequestOutput, stream: RequestStream) -> APIError:
+    """A request with an error: one the engine refused as given (a 400), or one it failed on once queued (a 500, in
+    the engine's failure isolation: the other requests went on)."""
+    return APIError(500 if stream.admitted else 400, output.error)
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

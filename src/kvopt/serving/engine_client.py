@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvopt.engine.requests import RequestSchemaError
 from kvopt.errors import KVOptError
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.closed = False
+        #: Set on the engine thread once the engine queued the request: an error output before that is a refusal
+        #: (too long, ids outside the vocabulary: a 400), after it the engine's own failure on this request (a 500).
+        self.admitted = False
         self.arrival = time.perf_counter()
         #: When each output reached the event loop (the server's view of TTFT and inter-token latency).
         self.delivered: list[float] = []
@@ -142,9 +146,13 @@ class EngineClient:
 
         def add(engine: LLMEngine) -> None:
             try:
+                if params.kv_method is not None:
+                    _check_method(engine, params.kv_method)
                 engine.add_request(request_id, prompt_token_ids, params)
             except Exception as error:  # noqa: BLE001 - refused before queueing: the stream raises it
                 self.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            else:
+                stream.admitted = request_id in engine.requests
 
         self.submit(add)
         return stream
@@ -251,3 +259,12 @@ class EngineClient:
         logger.error("%s: %s", what, error, exc_info=not isinstance(error, KVOptError))
         if self.on_failure is not None:
             self.on_failure(error)
+
+
+def _check_method(engine: LLMEngine, spec: str) -> None:
+    """A request's own ``kv_method`` as the engine checks it on its model (``window:size`` beyond the context, a
+    ``fastkv:tsp_layer`` past the last layer), refused as that field's error (``param: "kv_method"``)."""
+    try:
+        engine._compression(spec)  # the engine's per-spec check (cached), run before the request is queued
+    except KVOptError as error:
+        raise RequestSchemaError(f"kv_method={spec!r} cannot run on this model: {error}", "kv_method") from None
