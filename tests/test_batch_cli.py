@@ -26,7 +26,7 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
         {"prompt": "Once upon a time", "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 4, "ignore_eos": True},
         {"prompt": " hello" * 2500, "max_tokens": 4},  # longer than the context (2048 positions): fails alone
         {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True, "kv_method": "kivi:bits=4"},
-        {"prompt": "Hi", "kv_method": "kvzip:ratio=0.5"},  # not served by the engine: fails alone
+        {"prompt": "Hi there", "kv_method": "kvzip:ratio=0.5", "max_tokens": 3},  # in its own cache
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines) + "\n")
@@ -42,7 +42,7 @@ def test_batch_writes_one_result_per_line_in_order(model_folder, tmp_path, monke
     assert results[3]["response"] is None and "shorten the prompt" in results[3]["error"]
     assert results[4]["response"]["usage"]["completion_tokens"] == 6  # its own method, a short prompt: lossless
     assert results[4]["response"]["choices"][0]["text"] == results[1]["response"]["choices"][0]["text"]
-    assert results[5]["response"] is None and "not served by the engine yet" in results[5]["error"]
+    assert results[5]["response"]["usage"]["completion_tokens"] == 3
     assert "prefix_cache_queries_total" in stderr and "wrote 6 results" in stderr
 
 

@@ -133,19 +133,20 @@ def llm_block_bytes(model) -> int:
     return PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
 
 
-def test_own_cache_is_charged_its_bytes(models, tokenizer):
-    """While it decodes, a sequence of its own cache holds blocks for exactly the bytes its cache holds."""
+def test_own_cache_waits_in_its_blocks(models, tokenizer):
+    """Between steps a sequence's own cache is in its blocks: its tensors hold no memory of their own, and it holds
+    the blocks its packed bytes fill, no more (half the prompt evicted: the charge fell with it)."""
     model = models["llama"]
     llm = LLM(copy.deepcopy(model), tokenizer=tokenizer, kv_method="kvzip:ratio=0.5", kv_memory="4MB")
     engine = llm.engine
     engine.add_request("a", prompts([200])[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()
-    (seq,) = engine.scheduler.running
-    assert isinstance(seq.kv, CacheBackedKV)
-    token_bytes = engine.block_bytes // engine.config.block_size
-    stored = -(-seq.kv.cache.nbytes() // token_bytes)
-    assert len(seq.block_table) == -(-stored // engine.config.block_size)
-    assert seq.kv.cache.nbytes() < 0.6 * 200 * token_bytes  # half the prompt evicted: the charge fell with it
+    for _ in range(2):  # the prompt, then a decode step
+        engine.step()
+        (seq,) = engine.scheduler.running
+        assert isinstance(seq.kv, CacheBackedKV) and seq.kv.parked is not None
+        assert seq.kv.cache.nbytes() == 0
+        assert len(seq.block_table) == -(-seq.kv.packed_bytes // engine.block_bytes)
+        assert seq.kv.packed_bytes < 0.6 * 200 * engine.block_bytes // engine.config.block_size
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_empty(llm)

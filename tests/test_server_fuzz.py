@@ -2,8 +2,8 @@
 
 Payloads are hypothesis-generated: valid requests (every field drawn from the values the server
 accepts), the same with one field broken (wrong type, out of range, NaN, unknown name), arbitrary
-JSON documents and raw bytes. Per-request ``kv_method`` is lossless, compressed (served by the
-engine's compressed blocks), not served by the engine (a 400), or broken.
+JSON documents and raw bytes. Per-request ``kv_method`` is lossless, compressed (in the engine's
+compressed blocks or head blocks), in the sequence's own cache (kvzip), or broken.
 """
 
 import copy

@@ -232,8 +232,7 @@ class LLMEngine:
             if code_format is not None or not quantizers:
                 num_layers = self.info.num_layers
                 return Compression(methods, partial(CompressedKV, methods, num_layers, block_size, code_format))
-        token_bytes = self.block_bytes // block_size
-        return Compression(methods, partial(CacheBackedKV, methods, self.model, self.tokenizer, token_bytes))
+        return Compression(methods, lambda: CacheBackedKV(methods, self.model, self.tokenizer, self.runner.pool))
 
     def _code_format(self, quantizer) -> CodeFormat | None:
         """How ``quantizer``'s groups fill blocks (None when they cannot: the sequence keeps its own cache)."""

@@ -15,10 +15,11 @@ with no engine change:
   batched with every other sequence's) and each layer's attention call hands its rows to the
   sequence's own ``KVLayer`` (store, attend, let the methods act).
 
-Memory: the sequence holds blocks of the pool for the bytes its cache holds (every tensor,
-slack included, in whole blocks), so admission and preemption count it like any other; the
-tensors themselves live outside the pool's preallocated storage (see the README's engine
-section). Preempted in ``swap`` mode, its tensors stay where they are and its blocks wait to be free again.
+Memory: between steps the cache's tensors wait *in the sequence's blocks* (:mod:`.at_rest`: the
+tensors its storage parts own, packed into the blocks' bytes, their own memory given up), and are
+brought back by one gather when the sequence is scheduled; it holds as many blocks as they take, so
+admission, preemption (``swap`` copies those blocks out and back) and ``kv_cache_usage_perc`` count
+its real bytes like any other sequence's. Per-layer method state (a few numbers) stays in memory.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import torch
 
 from kvopt.cache import attention
 from kvopt.cache.kv_cache import KVCache
+from kvopt.engine.kv.at_rest import Packing, Placement, park, restore
 from kvopt.engine.kv.base import table_fill
 from kvopt.models.forward import cache_kwargs
 
 if TYPE_CHECKING:
-    from kvopt.engine.kv.paged import StepPlan
+    from kvopt.engine.kv.paged import PagedKVPool, StepPlan
     from kvopt.engine.sequence import Sequence
 
 
@@ -45,21 +47,26 @@ def with_headroom(tokens: int) -> int:
 
 
 class CacheBackedKV:
-    """One sequence's own ``KVCache`` (None until its prompt is computed) and the model that fills it."""
+    """One sequence's own ``KVCache`` (None until its prompt is computed), at rest in its blocks between steps."""
 
     shares_blocks: ClassVar[bool] = False
     keeps_prompt_state: ClassVar[bool] = False
 
-    def __init__(self, methods: list, model, tokenizer, token_bytes: int) -> None:
+    def __init__(self, methods: list, model, tokenizer, pool: PagedKVPool) -> None:
         self.methods = methods
         self.model, self.tokenizer = model, tokenizer
+        self.pool = pool
         #: Bytes one slot stands for (a block's bytes over its slots): the unit the cache's bytes are charged in.
-        self.token_bytes = token_bytes
+        self.token_bytes = pool.chunks.shape[1] * pool.chunks_per_block // pool.block_size
         self.cache: KVCache | None = None
+        #: Where its tensors are while it waits in its blocks (None while they are in memory of their own).
+        self.parked: list[Placement] | None = None
+        #: Bytes its tensors take, packed (what its blocks hold, or must hold to park it).
+        self.packed_bytes = 0
 
     # -- accounting ---------------------------------------------------------------------------
     def stored_tokens(self, computed: int) -> int:
-        return 0 if self.cache is None else -(-self.cache.nbytes() // self.token_bytes)
+        return -(-self.packed_bytes // self.token_bytes)
 
     def reserve_tokens(self, tokens: int) -> int:
         """The prompt's pass holds all of it before the methods compress it (:meth:`slots_needed` adds the headroom)."""
@@ -69,26 +76,29 @@ class CacheBackedKV:
         return self.stored_tokens(computed) + with_headroom(new_tokens)
 
     def nbytes(self, seq: Sequence, block_bytes: int) -> int:
-        return -(-self.stored_tokens(0) * self.token_bytes // block_bytes) * block_bytes
-
-    def held_blocks(self, seq: Sequence, block_size: int) -> list[int]:
-        """Its blocks stand for its tensors' bytes (swapping in waits for as many free)."""
-        return list(seq.block_table)
+        return -(-self.packed_bytes // block_bytes) * block_bytes
 
     def filled_slots(self, seq, block_size: int) -> dict[int, int]:
         return table_fill(seq.block_table, self.stored_tokens(0), block_size)
 
+    def held_blocks(self, seq: Sequence, block_size: int) -> list[int]:
+        """Its blocks hold its tensors between steps (swapping copies them out and back)."""
+        return list(seq.block_table)
+
     def relocate(self, moved: dict[int, int]) -> None:
-        """Nothing of it lies in its blocks: nothing moves."""
+        """Chunks are found from the block table at each restore: nothing to follow."""
 
     def reset(self) -> None:
-        self.cache = None
+        self.cache, self.parked, self.packed_bytes = None, None, 0
 
     # -- one step -----------------------------------------------------------------------------
     def plan(self, plan: StepPlan, seq: Sequence, row: int, count: int) -> bool:
         if self.cache is None:
             plan.alone.append(AloneStep(self, seq, count))
             return False
+        if self.parked is not None:
+            restore(self.parked, self.pool.chunks, self._rows(seq))
+            self.parked = None
         plan.own.append(OwnCacheStep(self, row, row + count))
         return True
 
@@ -114,12 +124,33 @@ class CacheBackedKV:
         attention.claim(key)  # the seam's update-then-attend, run here by hand
         return layer.attend(module, query, key, value, None, scaling, sliding_window, softcap)
 
+    @torch.inference_mode()
     def commit(self, seq: Sequence, drafted: int, accepted: int, block_size: int) -> list[int]:
-        """Give back the blocks beyond the cache's bytes (its prompt pass, or an eviction, may have shrunk it)."""
-        keep = -(-self.stored_tokens(0) // block_size)
+        """Put the cache's tensors into its blocks and give back the blocks beyond them. When the step grew it past
+        its blocks, it stays in memory of its own until the next step's allocation gives it enough (it is
+        charged its packed bytes there either way)."""
+        packing = Packing.of([t for layer in self.cache.layers for t in (*layer.store.tensors(), *_part_tensors(layer))])
+        self.packed_bytes = packing.nbytes
+        chunk_bytes = self.pool.chunks.shape[1]
+        chunks = -(-packing.nbytes // chunk_bytes)
+        keep = -(-chunks // self.pool.chunks_per_block)
+        if keep > len(seq.block_table):
+            return []
+        if chunks:
+            self.parked = park(packing, self.pool.chunks, self._rows(seq, chunks))
         surplus = seq.block_table[keep:]
         del seq.block_table[keep:]
         return surplus[::-1]
+
+    def _rows(self, seq: Sequence, chunks: int | None = None) -> torch.Tensor:
+        """Pool chunk rows holding (or to hold) its packed bytes."""
+        if chunks is None:
+            chunks = -(-self.packed_bytes // self.pool.chunks.shape[1])
+        return self.pool.chunk_rows(seq.block_table, chunks)
+
+
+def _part_tensors(layer) -> list[torch.Tensor]:
+    return [tensor for part in layer.parts for tensor in part.tensors()]
 
 
 @dataclass(slots=True)

@@ -182,10 +182,21 @@ class PagedKVPool:
         # One tensor for all layers, seen per layer (``keys[layer]``) and flattened to rows of one head and
         # slot (``flat_keys``), where head blocks of any layer are gathered at once (:mod:`.headwise`).
         shape = (info.num_layers, info.num_kv_heads, num_blocks * block_size, info.head_dim)
-        all_keys = torch.zeros(shape, dtype=dtype, device=device)
-        all_values = torch.zeros(shape, dtype=dtype, device=device)
+        # Keys and values in one tensor, also seen as byte *chunks* (one block of one head in one layer's key or
+        # value pool, ``2 x layers x kv_heads`` of them per block), where a sequence's own cache waits between
+        # steps (:mod:`.at_rest`).
+        storage = torch.zeros((2, *shape), dtype=dtype, device=device)
+        all_keys, all_values = storage.unbind(0)
         self.keys, self.values = list(all_keys.unbind(0)), list(all_values.unbind(0))
         self.flat_keys, self.flat_values = all_keys.view(-1, info.head_dim), all_values.view(-1, info.head_dim)
+        self.chunks = storage.view(-1, block_size * info.head_dim).view(torch.uint8)
+        self.chunks_per_block = 2 * info.num_layers * info.num_kv_heads
+
+    def chunk_rows(self, block_ids: list[int], count: int) -> torch.Tensor:
+        """Rows of :attr:`chunks` for the first ``count`` chunks of ``block_ids``, block by block."""
+        blocks = torch.tensor(block_ids[: -(-count // self.chunks_per_block)], dtype=torch.long)
+        within = torch.arange(self.chunks_per_block, dtype=torch.long) * self.num_blocks
+        return (blocks[:, None] + within[None, :]).flatten()[:count].to(self.chunks.device)
 
     @staticmethod
     def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
