@@ -144,9 +144,11 @@ def test_bad_requests_fail_alone(references):
 
 def test_generation_stops_at_the_model_context(references):
     model, prompts, _ = references("llama")
-    llm = engine(model, max_model_len=40)
-    output = llm.generate([prompts[0][:30]], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
-    assert len(output.outputs[0].token_ids) == 10 and output.outputs[0].finish_reason == "length"
+    core = engine(model, max_model_len=40).engine  # LLM.generate refuses max_tokens past the context up front
+    core.add_request("long", prompts[0][:30], SamplingParams(max_tokens=100, ignore_eos=True))
+    outputs = [output for _ in range(20) for output in core.step()]
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert len(outputs[-1].outputs[0].token_ids) == 10
 
 
 def test_abort_frees_blocks_and_unknown_ids_are_ignored(references):

@@ -144,7 +144,8 @@ def test_drafts_respect_max_tokens_context_and_stop_tokens():
     for params, output in zip(limits, llm.generate(prompts[:4], limits, use_tqdm=False)):
         assert output.outputs[0].token_ids == expected[prompts.index(output.prompt_token_ids)][: params.max_tokens]
         assert output.outputs[0].finish_reason == "length"
-    context = llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].outputs[0]
+    llm.engine.add_request("context", prompts[5], GREEDY)  # LLM.generate refuses max_tokens past the context
+    context = [output for _ in range(30) for output in llm.engine.step()][-1].outputs[0]
     assert context.token_ids == expected[5][:9] and context.finish_reason == "length"
     # A stop token that arrives inside a run of accepted drafts ends the output there.
     stop_at = expected[0][10]

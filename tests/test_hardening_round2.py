@@ -1,6 +1,7 @@
 """Issue #35, "Hardening, round two": one bad request never poisons the engine; ``LLM`` is safe from several threads;
 ``stream`` and ``abort`` always end a request; the API checks requests with the server's schema."""
 
+import json
 import re
 import threading
 import time
@@ -297,3 +298,38 @@ def test_llm_options_of_the_wrong_type_are_one_line(tiny_with_tokenizer, options
     model, tokenizer = tiny_with_tokenizer
     with pytest.raises(KVOptError, match=re.escape(fragment)):
         kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", **options)
+
+
+# -- finding 7 in the Python API: max_tokens beyond the context is refused as batch and the server refuse it --------
+TEN_IDS = list(range(100, 110))
+
+
+@pytest.mark.parametrize(("max_tokens", "message"), [
+    (2039, "prompt: the prompt's 10 tokens plus max_tokens=2039 exceed the model's context of 2048 tokens; ask for at "
+           "most 2038 or shorten the prompt"),
+    (10**9, "prompt: max_tokens=1000000000 is more than the limit of 2047; ask for at most 2047"),
+])  # fmt: skip
+def test_max_tokens_beyond_the_context_is_refused(llm, max_tokens, message):
+    params = kvopt.SamplingParams(max_tokens=max_tokens)
+    for call in (lambda: llm.generate(TEN_IDS, params, use_tqdm=False), lambda: list(llm.stream(TEN_IDS, params))):
+        with pytest.raises(RequestSchemaError) as caught:
+            call()
+        assert str(caught.value) == message and caught.value.param == "max_tokens"
+    with pytest.raises(RequestSchemaError, match=r"^prompts\[1\]: the prompt's 10 tokens plus max_tokens=2039 "):
+        llm.generate([TEN_IDS, TEN_IDS], [GREEDY, kvopt.SamplingParams(max_tokens=2039)], use_tqdm=False)
+    assert_usable(llm)
+    (fits,) = llm.generate([5] * 2040, kvopt.SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(fits.outputs[0].token_ids) == 8  # up to the last position
+
+
+def test_the_batch_refuses_the_same_line_with_the_same_message(llm, model_folder, tmp_path, monkeypatch, capsys):
+    from test_batch_cli import run
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": TEN_IDS, "max_tokens": 2039}) + "\n")
+    run([str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(model_folder), "--kv-memory", "8MB"],
+        monkeypatch, capsys)  # fmt: skip
+    (line,) = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
+    with pytest.raises(RequestSchemaError) as caught:
+        llm.generate(TEN_IDS, kvopt.SamplingParams(max_tokens=2039), use_tqdm=False)
+    assert line["error"].endswith(str(caught.value).removeprefix("prompt: ")), line

@@ -12,7 +12,7 @@ from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig, EngineConfigError
 from kvopt.engine.llm_engine import LLMEngine, RequestError
 from kvopt.engine.outputs import RequestOutput
-from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt
+from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt, max_tokens_within
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.models.info import ModelInfo
 
@@ -181,10 +181,27 @@ class LLM:
             self._release(wanted, finished)
 
     def _add(self, requests: list[tuple[str, Prompt, SamplingParams | None, int]]) -> None:
+        """Queue ``requests`` (id, prompt, params, priority): none if one asks for more tokens than fit."""
+        for position, (_, prompt, params, _) in enumerate(requests):
+            self._check_room(prompt, params, f"prompts[{position}]" if len(requests) > 1 else "prompt")
         with self._lock:
             for request_id, prompt, params, priority in requests:
                 self._owned.add(request_id)
                 self.engine.add_request(request_id, prompt, params, priority)
+
+    def _check_room(self, prompt: Prompt, params: SamplingParams | None, where: str) -> None:
+        """A ``max_tokens`` that cannot fit after the prompt is refused as the server and ``kvopt batch`` refuse it
+        (the default, without ``sampling_params``, stops at the context). A prompt too long for any output, or text
+        without a tokenizer, is the engine's to refuse (naming the prompt)."""
+        if params is None or (isinstance(prompt, str) and self.tokenizer is None):
+            return
+        length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer(prompt).input_ids)
+        context = self.engine.max_model_len
+        if length < context:
+            try:
+                max_tokens_within(params.max_tokens, length, context, params.max_tokens)
+            except RequestSchemaError as error:
+                raise RequestSchemaError(f"{where}: {error}", error.param) from None
 
     def _advance(self, wanted: set[str]) -> list[RequestOutput]:
         """The next outputs of ``wanted`` requests: kept for them by another caller's step, else from one step.
