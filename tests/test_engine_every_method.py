@@ -133,6 +133,21 @@ def llm_block_bytes(model) -> int:
     return PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
 
 
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "snapkv:ratio=0.5+kivi:bits=4,residual=32", "pyramidkv:ratio=0.5"])
+def test_parallel_samples_of_a_compressed_request_hold_their_own_prompt(spec, models, tokenizer):
+    """n > 1 with a compressed method: each completion holds its own compressed prompt, seeded as a fork is, so
+    completion i equals a one-completion request seeded ``seed + i``."""
+    llm = LLM(copy.deepcopy(models["llama"]), tokenizer=tokenizer, kv_method=spec, kv_memory="4MB")
+    prompt = prompts([120])[0]
+    sampled = dict(max_tokens=10, temperature=1.0, ignore_eos=True)
+    (together,) = llm.generate([prompt], SamplingParams(n=3, seed=5, **sampled), use_tqdm=False)
+    alone = llm.generate([prompt] * 3, [SamplingParams(seed=5 + i, **sampled) for i in range(3)], use_tqdm=False)
+    assert [c.index for c in together.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in together.outputs] == [out.outputs[0].token_ids for out in alone]
+    assert len({tuple(c.token_ids) for c in together.outputs}) > 1
+    assert_pool_empty(llm)
+
+
 def test_own_cache_waits_in_its_blocks(models, tokenizer):
     """Between steps a sequence's own cache is in its blocks: its tensors hold no memory of their own, and it holds
     the blocks its packed bytes fill, no more (half the prompt evicted: the charge fell with it)."""

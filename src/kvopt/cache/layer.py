@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-from kvopt.cache import attention
+from kvopt.cache import attention_math
 from kvopt.cache.part import KVPart
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.ragged import RaggedKV
@@ -187,7 +187,7 @@ class KVLayer(SeamLayer):
             keys = method.read_keys(self, keys, positions)
         if not self.parts:
             key_positions, key_valid = store.mask_rows()
-            output = attention.attend(
+            output = attention_math.attend(
                 query, keys, store.values, key_positions, key_valid, positions, scaling, sliding_window, softcap
             )
         else:
@@ -328,7 +328,7 @@ class KVLayer(SeamLayer):
         """Attention over every part, then the dense store (with the keys as methods present them), merged exactly."""
         if self.sliding_window is not None:
             raise CacheUsageError(f"{self.parts[0].kind} cannot serve sliding-window layers yet")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scale = attention_math.default_scale(query, scaling)
         quantized = self.parts[0]
         one_quantized_part = len(self.parts) == 1 and isinstance(quantized, QuantizedKV)
         if one_quantized_part and quantized.decodes_fused(query, positions, softcap):
@@ -340,7 +340,7 @@ class KVLayer(SeamLayer):
                 return output
         results = [part.attend(query, positions, scale, softcap) for part in self.parts]
         results.append(self.store.attend(query, positions, scale, softcap, keys=keys))
-        return attention.merge_with_lse(results)[0].to(query.dtype).transpose(1, 2).contiguous()
+        return attention_math.merge_with_lse(results)[0].to(query.dtype).transpose(1, 2).contiguous()
 
     def parts_of(self, kind: type[Part]) -> list[Part]:
         """This layer's parts of one kind (e.g. ``layer.parts_of(QuantizedKV)``), in read order."""

@@ -78,7 +78,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        # Siblings (n > 1) are forked before any sequence can finish, so "all finished" means all n.
+        # Siblings (n > 1) exist before any sequence can finish (forked after the prompt, or made with the request),
+        # so "all finished" means all n.
         return self.error is not None or all(seq.is_finished for seq in self.seqs)
 
 
@@ -162,16 +163,20 @@ class LLMEngine:
             self._failed.append(self._output(request))
             del self.requests[request_id]
             return
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         compression = self._compression(params.kv_method or self.config.kv_method)
-        kv = LosslessKV() if compression is None else compression.new_kv()
-        seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, priority=priority,
-                       generator=generator, kv=kv)  # fmt: skip
-        request.seqs.append(seq)
-        self._add_detokenizer(request, seq)
-        self.scheduler.add(seq)
-        if self.offload is not None:
-            self.offload.prefetch(seq)
+        # A lossless request's n completions fork after its prompt and share its blocks; a compressed one's each
+        # hold their own compressed prompt from the start (what a method keeps is no block to share).
+        for index in range(1 if compression is None else params.n):
+            seed = None if params.seed is None else params.seed + index  # as a fork seeds its stream
+            generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            kv = LosslessKV() if compression is None else compression.new_kv()
+            seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, index=index,
+                           priority=priority, generator=generator, kv=kv)  # fmt: skip
+            request.seqs.append(seq)
+            self._add_detokenizer(request, seq)
+            self.scheduler.add(seq)
+            if self.offload is not None:
+                self.offload.prefetch(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,14 +199,9 @@ class LLMEngine:
             )
         spec = params.kv_method or self.config.kv_method
         try:
-            compressed = self._compression(spec) is not None
+            self._compression(spec)
         except KVOptError as error:
             return str(error)
-        if compressed and params.n > 1:
-            return (
-                f"n={params.n} parallel samples share the prompt's blocks, which kv_method={spec!r} compresses; "
-                "send n requests with n=1, or use kv_method='full'"
-            )
         return None
 
     def _compression(self, spec: str) -> Compression | None:

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from kvopt.cache import attention
+from kvopt.cache import attention_math
 from kvopt.engine.kv.paged import PagedCache, PagedKVPool, StepPlan
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.models.forward import cache_kwargs
@@ -74,7 +74,7 @@ class ModelRunner:
             row += count
         if not ids:
             return torch.cat(sampled)
-        self.cache.batch = plan.build(row, attention.decode_pieces(self.num_kv_heads))
+        self.cache.batch = plan.build(row, attention_math.decode_pieces(self.num_kv_heads))
         device = self.device
         try:
             with self._mlps_in_row_slices(len(ids)):

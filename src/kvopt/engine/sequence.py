@@ -124,5 +124,6 @@ class Sequence:
 
     @property
     def width(self) -> int:
-        """Sequences this one will run as: ``n`` until a parallel-sampling request forks, then 1."""
-        return self.params.n if self.num_output_tokens == 0 else 1
+        """Sequences this one will run as: ``n`` until a parallel-sampling request forks (a lossless one shares its
+        prompt's blocks; a compressed one's completions are sequences of their own from the start), then 1."""
+        return self.params.n if self.kv.shares_blocks and self.num_output_tokens == 0 else 1

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache
 
-from kvopt.cache import attention
+from kvopt.cache import attention_math
 from kvopt.cache.seam_layer import SeamLayer
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
@@ -258,7 +258,7 @@ class PagedLayer(SeamLayer):
         values.index_copy_(1, batch.slot_mapping, stored_values)
         output = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
         plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
-        batched = batch.decodes is not None and plain and attention.cpu_flash_available(query)
+        batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
         done = set()
         if batched:
             output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling)
@@ -304,7 +304,7 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
     pieces = [(keys[None, :, start:stop], values[None, :, start:stop])] if stop > start else []
     if seq.rest is not None:
         pieces.append((keys[None].index_select(2, seq.rest), values[None].index_select(2, seq.rest)))
-    return [attention.attention_with_lse(query, k, v, None, scaling, softcap) for k, v in pieces]
+    return [attention_math.attention_with_lse(query, k, v, None, scaling, softcap) for k, v in pieces]
 
 
 def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Tensor:
@@ -320,7 +320,7 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
     group = batch.decodes
     heads, dim = query.shape[1], query.shape[-1]
     kv_heads, pieces, count = keys.shape[0], group.pieces, len(group.members)
-    scale = scaling if scaling is not None else dim**-0.5
+    scale = attention_math.default_scale(query, scaling)
     queries = query[0][:, group.rows].transpose(0, 1).float()  # [S, heads, dim]
     folded = queries.reshape(count, kv_heads, heads // kv_heads, dim)
     nothing = None  # (output, lse) of a run too short to cut into pieces: all its slots are in the tail
@@ -335,7 +335,7 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
             span = slice(start, start + length * pieces)
             piece_keys = keys[:, span].unflatten(1, (pieces, length)).transpose(0, 1).float()  # views in fp32
             piece_values = values[:, span].unflatten(1, (pieces, length)).transpose(0, 1).float()
-            out, lse = attention.cpu_flash(folded[index : index + 1].expand(pieces, -1, -1, -1), piece_keys,
+            out, lse = attention_math.cpu_flash(folded[index : index + 1].expand(pieces, -1, -1, -1), piece_keys,
                                            piece_values, scale)  # fmt: skip
         outputs.append(out)
         lses.append(lse)
@@ -344,12 +344,12 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
     if group.rest is not None:
         tail_keys = keys.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
         tail_values = values.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
-        tail, tail_lse = attention.attention_with_lse(queries[:, :, None], tail_keys, tail_values, group.rest_valid, scale)
+        tail, tail_lse = attention_math.attention_with_lse(queries[:, :, None], tail_keys, tail_values, group.rest_valid, scale)
         output = torch.cat([output, tail[:, None, :, 0]], dim=1)
         lse = torch.cat([lse, tail_lse[:, None, :, 0]], dim=1)
     if output.shape[1] == 1:
         return output[:, 0].to(query.dtype)
-    merged, _ = attention.merge_pieces(output, lse, axis=1)
+    merged, _ = attention_math.merge_pieces(output, lse, axis=1)
     return merged.to(query.dtype)
 
 
@@ -360,9 +360,9 @@ def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window
         seq = seq.window(sliding_window, keys.device)
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)
     if seq.codes is not None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scale = attention_math.default_scale(query, scaling)
         parts.append(seq.codes.attend(layer, query, scale, softcap))
-    output, _ = attention.merge_with_lse(parts)
+    output, _ = attention_math.merge_with_lse(parts)
     return output[:, :, 0].to(query.dtype)
 
 
@@ -377,11 +377,11 @@ def _attend_chunk(query, new_keys, new_values, keys, values, seq: SequenceSlots,
     count = query.shape[2]
     own = torch.arange(count, device=query.device)
     if seq.fresh or seq.context_length == count:
-        return attention.attend(query, new_keys, new_values, own[None, None], None, own, scaling, None, softcap)
+        return attention_math.attend(query, new_keys, new_values, own[None, None], None, own, scaling, None, softcap)
     causal = (own[None, :] <= own[:, None])[None, None]
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)
-    parts.append(attention.attention_with_lse(query, new_keys, new_values, causal, scaling, softcap))
-    output, _ = attention.merge_with_lse(parts)
+    parts.append(attention_math.attention_with_lse(query, new_keys, new_values, causal, scaling, softcap))
+    output, _ = attention_math.merge_with_lse(parts)
     return output.to(query.dtype).transpose(1, 2)
 
 
@@ -392,7 +392,7 @@ def _attend_windowed_chunk(query, keys, values, seq: SequenceSlots, scaling, sli
     context_keys, context_values = keys[None].index_select(2, index), values[None].index_select(2, index)
     tokens = context_keys.shape[2]
     positions = torch.arange(tokens, device=query.device)
-    return attention.attend(
+    return attention_math.attend(
         query, context_keys, context_values, positions[None, None], None, positions[tokens - query.shape[2] :],
         scaling, sliding_window, softcap,
     )  # fmt: skip
