@@ -17,7 +17,7 @@ from kvopt.serving import ServerSettings, ThreadedServer
 @pytest.fixture(scope="module")
 def server(tiny_with_tokenizer):
     model, tokenizer = tiny_with_tokenizer
-    load = lambda: LLM(copy.deepcopy(model), tokenizer=tokenizer, kv_memory="8MB").engine  # noqa: E731
+    load = lambda: LLM(copy.deepcopy(model), tokenizer=tokenizer, kv_memory="8MB").engine
     with ThreadedServer(load, ServerSettings("tiny")) as running:
         yield running.wait_ready()
 
@@ -70,12 +70,12 @@ def test_an_engine_failure_on_one_request_is_a_500(client, monkeypatch):
 def test_an_engine_failure_mid_stream_is_a_server_error_event_then_done(server, client, monkeypatch):
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
     events = []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
-        with monkeypatch.context() as patch:
-            for line in response.iter_lines():
-                if line:
-                    events.append(line)
-                    raising_detokenizer(patch)  # from the second step on
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response, \
+            monkeypatch.context() as patch:  # fmt: skip
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+                raising_detokenizer(patch)  # from the second step on
     *chunks, error_event, done = events
     assert done == "data: [DONE]" and chunks
     error = json.loads(error_event.removeprefix("data: "))["error"]

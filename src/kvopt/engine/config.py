@@ -66,6 +66,13 @@ class EngineConfig:
                 continue
             if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} must be a positive integer")
+        specs = {"kv_method": "snapkv:ratio=0.5", "kv_tier_encoding": "int8", "speculate": "prompt_lookup:k=4"}
+        for name, example in specs.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "speculate" and value is None):
+                raise EngineConfigError(f"{name}={value!r} must be a spec string, e.g. {example!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise EngineConfigError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise EngineConfigError(f"max_model_len={self.max_model_len!r} must be an integer of at least 2 tokens")
         if isinstance(self.kv_tiers, str):

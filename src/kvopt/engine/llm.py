@@ -60,14 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:  # fmt: skip
         """Generate for every prompt (text or token ids); outputs in the prompts' order."""
         prompts = _prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestSchemaError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one "
-                                     "per prompt", "sampling_params")  # fmt: skip
-        for param in params:
-            if param is not None and not isinstance(param, SamplingParams):
-                raise RequestSchemaError(f"sampling_params must be kvopt.SamplingParams (or a list of them), not "
-                                         f"{type(param).__name__}", "sampling_params")  # fmt: skip
+        params = _params_for(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise RequestSchemaError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt",
                                      "priority")  # fmt: skip
@@ -82,9 +75,10 @@ class LLM:
         """``(index of the prompt, its final output)`` as each request finishes, so a caller can keep every result
         at once (``kvopt batch`` writes them as they come). Closing the iterator early aborts the rest."""
         prompts = [check_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
+        params = _params_for(sampling_params, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
         index = {request_id: position for position, request_id in enumerate(ids)}
-        for request_id, output in self._finishing(list(zip(ids, prompts, sampling_params, [0] * len(ids))), use_tqdm):
+        for request_id, output in self._finishing(list(zip(ids, prompts, params, [0] * len(ids))), use_tqdm):
             yield index[request_id], output
 
     def chat(
@@ -113,7 +107,8 @@ class LLM:
         Closing the generator early (``break``, ``close()``) aborts the request, so its blocks return to the pool.
         """
         request_id = str(next(self._ids))
-        self._add([(request_id, check_prompt(prompt), sampling_params, 0)])
+        (params,) = _params_for(sampling_params, 1)
+        self._add([(request_id, check_prompt(prompt), params, 0)])
         finished = False
         try:
             while not finished:
@@ -262,6 +257,19 @@ class _Progress:
     def __exit__(self, *exc) -> None:
         if self.enabled:
             self.bar.stop()
+
+
+def _params_for(sampling_params: object, count: int) -> list[SamplingParams | None]:
+    """One ``SamplingParams`` (or None: the defaults) per prompt, from one for all or a list of one per prompt."""
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * count
+    if len(params) != count:
+        raise RequestSchemaError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt",
+                                 "sampling_params")  # fmt: skip
+    for param in params:
+        if param is not None and not isinstance(param, SamplingParams):
+            raise RequestSchemaError(f"sampling_params must be kvopt.SamplingParams (or a list of them), not "
+                                     f"{type(param).__name__}", "sampling_params")  # fmt: skip
+    return params
 
 
 def _check_context(max_model_len: int | None, model) -> None:
