@@ -23,7 +23,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "serving.jsonl"
 STEPS = ("throughput", "prefix", "capacity", "latency", "speculative")
-CAPACITY_METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75", "snapkv:ratio=0.75+kivi:bits=4")
+#: How rows name the default model (rows from before the capacity step took ``--model`` name none).
+DEFAULT_MODEL = "smollm2-135m"
+#: The recipes the capacity step compares (kvzip's ranking and kivi do not compose: kivi quantizes during the prefill
+#: that kvzip needs whole).
+CAPACITY_METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75", "snapkv:ratio=0.75+kivi:bits=4", "kvzip:ratio=0.75",
+                    "aquakv:bits=2", "rocketkv:budget=512", "minicache+kivi:bits=4")
 
 
 def real_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -200,15 +205,21 @@ def prefix(args) -> list[dict]:
 
 # -- capacity -------------------------------------------------------------------------------
 def capacity(args) -> list[dict]:
-    """How many 4k-token sequences run at once in a 256 MB pool, and the throughput they reach.
+    """How many 4k-token sequences run at once in the pool (``--capacity-memory``), and the throughput they reach.
 
     Decode tok/s counts the steps in which every running sequence decoded one token and no prompt
-    was computed; the end-to-end rate includes the prompts' prefills.
+    was computed; the end-to-end rate includes the prompts' prefills. ``--capacity-requests auto`` submits two
+    more requests than the memory calculator says fit (at most ``--capacity-max-requests``): the count running
+    at once is measured, not predicted.
     """
     rows = []
-    counts = [int(count) for count in args.capacity_requests.split(",")]
-    for spec, requests in zip(args.capacity_methods.split(";"), counts, strict=True):
-        llm = engine(args.capacity_memory, kv_method=spec, max_num_seqs=64, max_model_len=4096 + args.capacity_new)
+    specs = args.capacity_methods.split(";")
+    counts = [None] * len(specs) if args.capacity_requests == "auto" else args.capacity_requests.split(",")
+    for spec, requests in zip(specs, counts, strict=True):
+        llm = engine(args.capacity_memory, model=args.model, kv_method=spec, max_num_seqs=64,
+                     max_model_len=4096 + args.capacity_new)  # fmt: skip
+        pool_bytes = llm.engine.runner.pool.nbytes()
+        requests = int(requests) if requests else _fitting(llm, spec, 4096 + args.capacity_new, pool_bytes, args)
         prompts = real_prompts(llm.tokenizer, requests, 4096, 4096, seed=3)
         core, peak, decode_tokens, decode_seconds = llm.engine, 0, 0, 0.0
         for index, prompt in enumerate(prompts):
@@ -227,13 +238,24 @@ def capacity(args) -> list[dict]:
             peak = max(peak, after["num_requests_running"])
         seconds = time.perf_counter() - start
         metrics = core.metrics()
-        rows.append({"step": "capacity", "method": spec, "pool_bytes": core.runner.pool.nbytes(),
+        rows.append({"step": "capacity", "method": spec, "model": args.model or DEFAULT_MODEL, "pool_bytes": pool_bytes,
                      "sequence_tokens": 4096 + args.capacity_new, "concurrent": peak,
                      "requests": len(prompts), "tok_s": len(prompts) * args.capacity_new / seconds,
                      "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
-                     "preemptions": metrics["num_preemptions_total"]})  # fmt: skip
+                     "preemptions": metrics["num_preemptions_total"], "conditions": args.conditions})  # fmt: skip
         print(rows[-1])
     return rows
+
+
+def _fitting(llm, spec: str, tokens: int, pool_bytes: int, args) -> int:
+    """Requests to submit: two more than the memory calculator says fit in ``pool_bytes``."""
+    from kvopt.memory import estimate
+    from kvopt.methods import parse
+    from kvopt.models.info import ModelInfo
+
+    info = ModelInfo.from_config(llm.engine.model.config)
+    per_sequence = estimate(info, tokens, methods=parse(spec), dtype=llm.engine.dtype).total_bytes
+    return min(args.capacity_max_requests, pool_bytes // per_sequence + 2)
 
 
 # -- latency under load -------------------------------------------------------------------------
@@ -351,9 +373,11 @@ def main() -> None:
                         help="HF one-at-a-time runs this many of the requests (its rate does not depend on the count)")
     parser.add_argument("--generate-batch", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--prefix-repeats", type=int, default=3)
-    parser.add_argument("--capacity-memory", default="256MB")
+    parser.add_argument("--model", default=None, help="for the capacity step: a model name (default: the default model)")
+    parser.add_argument("--capacity-memory", default="1GB")
     parser.add_argument("--capacity-methods", default=";".join(CAPACITY_METHODS))
-    parser.add_argument("--capacity-requests", default="4,16,16,32", help="requests per capacity method")
+    parser.add_argument("--capacity-requests", default="auto", help="requests per capacity method, or auto")
+    parser.add_argument("--capacity-max-requests", type=int, default=48)
     parser.add_argument("--capacity-new", type=int, default=32)
     parser.add_argument("--rates", default="0.2,0.4,0.8")
     parser.add_argument("--latency-requests", type=int, default=24)
@@ -379,13 +403,18 @@ def save(step: str, rows: list[dict], seconds: float) -> None:
     rows of methods this run did not measure)."""
     ROWS.parent.mkdir(parents=True, exist_ok=True)
     kept = [json.loads(line) for line in ROWS.read_text().splitlines()] if ROWS.exists() else []
-    measured = {row.get("method") for row in rows}
-    kept = [row for row in kept if (row["step"] != step or row.get("method") not in measured) and row.get("timed") != step]
+    measured = {_measured(row) for row in rows}
+    kept = [row for row in kept if (row["step"] != step or _measured(row) not in measured) and row.get("timed") != step]
     import transformers
 
     stamp = {"step": "timing", "timed": step, "seconds": seconds, "date": time.strftime("%Y-%m-%d"),
              "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
     ROWS.write_text("".join(json.dumps(row) + "\n" for row in [*kept, *rows, stamp]))
+
+
+def _measured(row: dict) -> tuple:
+    """What a row measured: a new run's row replaces the old one of the same method, model and pool."""
+    return row.get("method"), row.get("model", DEFAULT_MODEL), row.get("pool_bytes")
 
 
 if __name__ == "__main__":
@@ -466,14 +495,26 @@ def _prefix_lines(rows: list[dict]) -> list[str]:
 
 
 def _capacity_lines(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
+    """One table per (model, pool) measured."""
+    lines = []
+    for key in sorted({(row.get("model", DEFAULT_MODEL), row["pool_bytes"]) for row in rows}):
+        lines += _capacity_table([row for row in rows if (row.get("model", DEFAULT_MODEL), row["pool_bytes"]) == key])
+    if lines:
+        lines += ["Compressed prompts are computed in one pass and never stored whole: each layer's keys go from the "
+                  "forward pass to the method, and only what it keeps is written to blocks (evicted tokens compacted, "
+                  "kivi groups bit-packed, 3 groups of 32 tokens per 16-slot fp32 block); specs the block layouts "
+                  "cannot hold keep their own cache, packed into their blocks between steps. End-to-end rates "
+                  "include the 4k-token prefills, which dominate them.", ""]  # fmt: skip
+    return lines
+
+
+def _capacity_table(rows: list[dict]) -> list[str]:
     order = {method: index for index, method in enumerate(CAPACITY_METHODS)}
     rows = sorted(rows, key=lambda row: order.get(row["method"], len(order)))
     full = next((r for r in rows if r["method"] == "full"), None)
     lines = [
         f"### Capacity: concurrent {rows[0]['sequence_tokens']:,}-token sequences in a "
-        f"{rows[0]['pool_bytes'] / 1e6:.0f} MB pool",
+        f"{rows[0]['pool_bytes'] / 1e6:.0f} MB pool ({rows[0].get('model', DEFAULT_MODEL)})",
         "",
         "| KV method | requests | most sequences running at once | vs full | decode tok/s | vs full | "
         "end-to-end output tok/s | preemptions |",
@@ -484,11 +525,8 @@ def _capacity_lines(rows: list[dict]) -> list[str]:
         speed = f"{row['decode_tok_s'] / full['decode_tok_s']:.1f}x" if full and full.get("decode_tok_s") else "–"
         lines.append(f"| `{row['method']}` | {row['requests']} | {row['concurrent']} | {ratio} | "
                      f"{row.get('decode_tok_s', 0):.1f} | {speed} | {row['tok_s']:.2f} | {row['preemptions']} |")  # fmt: skip
-    lines += ["", "Compressed prompts are computed in one pass and never stored whole: each layer's keys go from the "
-                  "forward pass to the method, and only what it keeps is written to blocks (evicted tokens compacted, "
-                  "kivi groups bit-packed, 3 groups of 32 tokens per 16-slot fp32 block). End-to-end rates include "
-                  "the 4k-token prefills, which dominate them."]  # fmt: skip
-    return lines + [""]
+    conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
+    return lines + ([""] + [f"Measured with {', '.join(conditions)}."] if conditions else []) + [""]
 
 
 def _latency_lines(rows: list[dict]) -> list[str]:

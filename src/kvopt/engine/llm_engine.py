@@ -204,6 +204,11 @@ class LLMEngine:
             return str(error)
         return None
 
+    def check_kv_method(self, spec: str) -> None:
+        """Raise :class:`KVOptError` (naming why) unless this engine can serve ``spec`` on its model (checked once per
+        spec: the methods' model checks and one-time preparation, e.g. a calibration)."""
+        self._compression(spec)
+
     def _compression(self, spec: str) -> Compression | None:
         """The methods of ``spec``, checked for this model and the engine's blocks (None: lossless); cached per spec."""
         if spec not in self._compressions:

@@ -265,6 +265,6 @@ def _check_method(engine: LLMEngine, spec: str) -> None:
     """A request's own ``kv_method`` as the engine checks it on its model (``window:size`` beyond the context, a
     ``fastkv:tsp_layer`` past the last layer), refused as that field's error (``param: "kv_method"``)."""
     try:
-        engine._compression(spec)  # the engine's per-spec check (cached), run before the request is queued
+        engine.check_kv_method(spec)  # run before the request is queued
     except KVOptError as error:
         raise RequestSchemaError(f"kv_method={spec!r} cannot run on this model: {error}", "kv_method") from None
