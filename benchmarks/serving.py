@@ -512,21 +512,56 @@ def _capacity_table(rows: list[dict]) -> list[str]:
     order = {method: index for index, method in enumerate(CAPACITY_METHODS)}
     rows = sorted(rows, key=lambda row: order.get(row["method"], len(order)))
     full = next((r for r in rows if r["method"] == "full"), None)
+    model = rows[0].get("model", DEFAULT_MODEL)
     lines = [
         f"### Capacity: concurrent {rows[0]['sequence_tokens']:,}-token sequences in a "
-        f"{rows[0]['pool_bytes'] / 1e6:.0f} MB pool ({rows[0].get('model', DEFAULT_MODEL)})",
+        f"{rows[0]['pool_bytes'] / 1e6:.0f} MB pool ({model})",
         "",
         "| KV method | requests | most sequences running at once | vs full | decode tok/s | vs full | "
-        "end-to-end output tok/s | preemptions |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "end-to-end output tok/s | preemptions | kept of `full`'s answers (accuracy grid, query-agnostic) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    kept = _kept_by_spec(model)
     for row in rows:
         ratio = f"{row['concurrent'] / full['concurrent']:.1f}x" if full else "–"
         speed = f"{row['decode_tok_s'] / full['decode_tok_s']:.1f}x" if full and full.get("decode_tok_s") else "–"
         lines.append(f"| `{row['method']}` | {row['requests']} | {row['concurrent']} | {ratio} | "
-                     f"{row.get('decode_tok_s', 0):.1f} | {speed} | {row['tok_s']:.2f} | {row['preemptions']} |")  # fmt: skip
+                     f"{row.get('decode_tok_s', 0):.1f} | {speed} | {row['tok_s']:.2f} | {row['preemptions']} | "
+                     f"{kept.get(_canonical(row['method']), '–')} |")  # fmt: skip
     conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
     return lines + ([""] + [f"Measured with {', '.join(conditions)}."] if conditions else []) + [""]
+
+
+#: Accuracy rows per model: the grid's and the 2-bit grid's (outputs of the engine equal generate's with the same
+#: cache, so the grid's answers are the engine's).
+ACCURACY_ROWS = {
+    DEFAULT_MODEL: ("eval.jsonl", "twobit/eval.jsonl"),
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b/eval.jsonl",),
+}
+
+
+def _canonical(spec: str) -> str:
+    from kvopt.methods import parse
+
+    return "+".join(method.spec() for method in parse(spec))
+
+
+def _kept_by_spec(model: str) -> dict[str, str]:
+    """``kept% [interval] of n`` per canonical spec, query-agnostic, against ``full`` on the same prompts."""
+    from kvopt.eval.report import retention
+    from kvopt.eval.rows import load_rows
+
+    rows = [row for name in ACCURACY_ROWS.get(model, ()) for row in load_rows(ROWS.parent / name)
+            if row.get("mode") == "query_agnostic" and row.get("family", "kvopt") == "kvopt"]  # fmt: skip
+    by_spec: dict[str, list[dict]] = {}
+    for row in rows:
+        try:
+            by_spec.setdefault(_canonical(row["method"]), []).append(row)
+        except ValueError:
+            continue  # a peer's spec (kvpress, quanto), not ours
+    reference = by_spec.get("full", [])
+    found = {spec: retention(spec_rows, reference) for spec, spec_rows in by_spec.items() if spec != "full"}
+    return {spec: result.cell() for spec, result in found.items() if result is not None}
 
 
 def _latency_lines(rows: list[dict]) -> list[str]:
