@@ -502,9 +502,12 @@ def _capacity_lines(rows: list[dict]) -> list[str]:
     if lines:
         lines += ["Compressed prompts are computed in one pass and never stored whole: each layer's keys go from the "
                   "forward pass to the method, and only what it keeps is written to blocks (evicted tokens compacted, "
-                  "kivi groups bit-packed, 3 groups of 32 tokens per 16-slot fp32 block); specs the block layouts "
-                  "cannot hold keep their own cache, packed into their blocks between steps. End-to-end rates "
-                  "include the 4k-token prefills, which dominate them.", ""]  # fmt: skip
+                  "kivi groups bit-packed, 3 groups of 32 tokens per 16-slot fp32 block). Specs the block layouts "
+                  "cannot hold keep their own cache, packed into their blocks between steps; their prompt pass "
+                  "holds the whole prompt (kvzip scores it whole before it evicts), so it needs a full sequence's "
+                  "blocks while it runs: in a pool of ~1.3 full 4k sequences that admits one such prompt at a time "
+                  "and caps kvzip at 2 running, where a larger pool admits one more per quarter sequence it frees. "
+                  "End-to-end rates include the 4k-token prefills, which dominate them.", ""]  # fmt: skip
     return lines
 
 
