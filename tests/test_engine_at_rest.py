@@ -9,7 +9,8 @@ from kvopt.models.info import ModelInfo
 
 
 def pool(blocks: int = 6) -> PagedKVPool:
-    return PagedKVPool(ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8), blocks, 4, torch.float32, "cpu")
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    return PagedKVPool(info, blocks, 4, torch.float32, "cpu")
 
 
 @torch.inference_mode()

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.real_model
 def blocks() -> list[tuple[int, str | None, str]]:
     """``(line, why it is not run or None, code)`` of every fenced Python block."""
     text = README.read_text()
-    return [(text.count("\n", 0, match.start("code")) + 1, match["why"], match["code"]) for match in BLOCK.finditer(text)]
+    found = BLOCK.finditer(text)
+    return [(text.count("\n", 0, match.start("code")) + 1, match["why"], match["code"]) for match in found]
 
 
 def test_the_readme_has_examples_and_says_why_any_is_not_run():

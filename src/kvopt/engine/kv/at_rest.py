@@ -67,7 +67,8 @@ class Packing:
             for index, tensor in enumerate(group):
                 first = merged[where[index]][0]
                 start = tensor.storage_offset() * tensor.element_size()
-                placements.append(Placement(tensor, offsets[where[index]] + start - first, tensor.size(), tensor.stride()))
+                offset = offsets[where[index]] + start - first
+                placements.append(Placement(tensor, offset, tensor.size(), tensor.stride()))
         return cls(ranges, placements, packed)
 
 

@@ -82,4 +82,4 @@ class SequenceKV(Protocol):
 
 def table_fill(block_table: list[int], stored: int, block_size: int) -> dict[int, int]:
     """Slots in use per block when ``stored`` tokens fill ``block_table`` in order."""
-    return {block_id: min(block_size, max(0, stored - index * block_size)) for index, block_id in enumerate(block_table)}
+    return {block: min(block_size, max(0, stored - index * block_size)) for index, block in enumerate(block_table)}

@@ -1,4 +1,4 @@
-"""Any spec in the engine: the sequence holds its own :class:`~kvopt.cache.kv_cache.KVCache`, run as ``generate`` runs it.
+"""Any spec in the engine: the sequence's own :class:`~kvopt.cache.kv_cache.KVCache`, run as ``generate`` runs it.
 
 The block layouts (:mod:`.compressed`, :mod:`.headwise`) hold what layer-by-layer methods keep
 at full precision or in one code format. Everything else — a ranking over all layers (kvzip,
@@ -129,7 +129,7 @@ class CacheBackedKV:
         """Put the cache's tensors into its blocks and give back the blocks beyond them. When the step grew it past
         its blocks, it stays in memory of its own until the next step's allocation gives it enough (it is
         charged its packed bytes there either way)."""
-        packing = Packing.of([t for layer in self.cache.layers for t in (*layer.store.tensors(), *_part_tensors(layer))])
+        packing = Packing.of([tensor for layer in self.cache.layers for tensor in _layer_tensors(layer)])
         self.packed_bytes = packing.nbytes
         chunk_bytes = self.pool.chunks.shape[1]
         chunks = -(-packing.nbytes // chunk_bytes)
@@ -149,8 +149,9 @@ class CacheBackedKV:
         return self.pool.chunk_rows(seq.block_table, chunks)
 
 
-def _part_tensors(layer) -> list[torch.Tensor]:
-    return [tensor for part in layer.parts for tensor in part.tensors()]
+def _layer_tensors(layer) -> list[torch.Tensor]:
+    """The tensors a cache layer's dense store and parts hold for the sequence (per-model tables excluded)."""
+    return [*layer.store.tensors(), *(tensor for part in layer.parts for tensor in part.tensors())]
 
 
 @dataclass(slots=True)

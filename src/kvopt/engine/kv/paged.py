@@ -168,8 +168,10 @@ class StepPlan:
     def build(self, rows: int, pieces: int) -> PagedBatch:
         """The per-step context of a batch of ``rows`` tokens (decodes cut into ``pieces`` per sequence)."""
         device = self.device
-        slot_mapping = torch.cat(self.new_slots).to(device) if self.new_slots else torch.zeros(0, dtype=torch.long, device=device)
-        stored = None if len(self.stored_rows) == rows else torch.tensor(self.stored_rows, dtype=torch.long, device=device)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        slot_mapping = torch.cat(self.new_slots).to(device) if self.new_slots else empty
+        all_stored = len(self.stored_rows) == rows
+        stored = None if all_stored else torch.tensor(self.stored_rows, dtype=torch.long, device=device)
         decodes = DecodeGroup.of(self.sequences, device, pieces)
         return PagedBatch(slot_mapping, self.sequences, decodes, stored, self.compressed, self.own)
 
