@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvopt.engine.kv.base import cut_table
 from kvopt.engine.sequence import Sequence
 
 
@@ -165,10 +166,7 @@ class BlockManager:
 
     def release_surplus(self, seq: Sequence, num_tokens: int) -> None:
         """Give back ``seq``'s blocks beyond those ``num_tokens`` tokens fill (they held rejected drafts)."""
-        keep = self.blocks_needed(num_tokens)
-        surplus = seq.block_table[keep:]
-        del seq.block_table[keep:]
-        self.release(reversed(surplus))
+        self.release(cut_table(seq.block_table, self.blocks_needed(num_tokens)))
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; those no sequence holds join the free queue (in this order)."""

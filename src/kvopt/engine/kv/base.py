@@ -80,6 +80,14 @@ class SequenceKV(Protocol):
         ...
 
 
+def cut_table(block_table: list[int], keep: int) -> list[int]:
+    """Cut ``block_table`` after its first ``keep`` blocks; the blocks cut, newest first (the order they should
+    join the free queue in)."""
+    surplus = block_table[keep:]
+    del block_table[keep:]
+    return surplus[::-1]
+
+
 def table_fill(block_table: list[int], stored: int, block_size: int) -> dict[int, int]:
     """Slots in use per block when ``stored`` tokens fill ``block_table`` in order."""
     return {block: min(block_size, max(0, stored - index * block_size)) for index, block in enumerate(block_table)}

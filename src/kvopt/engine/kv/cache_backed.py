@@ -32,7 +32,7 @@ import torch
 from kvopt.cache import attention
 from kvopt.cache.kv_cache import KVCache
 from kvopt.engine.kv.at_rest import Packing, Placement, park, restore
-from kvopt.engine.kv.base import table_fill
+from kvopt.engine.kv.base import cut_table, table_fill
 from kvopt.models.forward import cache_kwargs
 
 if TYPE_CHECKING:
@@ -138,9 +138,7 @@ class CacheBackedKV:
             return []
         if chunks:
             self.parked = park(packing, self.pool.chunks, self._rows(seq, chunks))
-        surplus = seq.block_table[keep:]
-        del seq.block_table[keep:]
-        return surplus[::-1]
+        return cut_table(seq.block_table, keep)
 
     def _rows(self, seq: Sequence, chunks: int | None = None) -> torch.Tensor:
         """Pool chunk rows holding (or to hold) its packed bytes."""

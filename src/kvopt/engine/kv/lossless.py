@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from kvopt.engine.kv.base import table_fill
+from kvopt.engine.kv.base import cut_table, table_fill
 from kvopt.engine.kv.paged import SequenceSlots
 
 if TYPE_CHECKING:
@@ -53,7 +53,4 @@ class LosslessKV:
         """Blocks past the next token's held only drafts the model rejected: give them back."""
         if not drafted:
             return []
-        keep = -(-(seq.num_computed_tokens + accepted + 1) // block_size)
-        surplus = seq.block_table[keep:]
-        del seq.block_table[keep:]
-        return surplus[::-1]
+        return cut_table(seq.block_table, -(-(seq.num_computed_tokens + accepted + 1) // block_size))
