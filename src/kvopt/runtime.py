@@ -138,8 +138,7 @@ def generate_streaming(
     streamer = _TimedStreamer(tokenizer, sink)
     start = time.perf_counter()
     with torch.inference_mode():
-        if cache.needs_prefill_pass and input_ids.shape[-1] > 1:  # kvzip: cache and compress all but the last token
-            cache.prefill(model, input_ids[:, :-1], tokenizer=tokenizer)
+        cache.run_prompt_pass(model, input_ids, tokenizer)
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),

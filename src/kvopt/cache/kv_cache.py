@@ -122,6 +122,16 @@ class KVCache(Cache):
         self.after_prefill(model, input_ids, attention_mask, tokenizer)
         return output
 
+    def run_prompt_pass(self, model, input_ids, tokenizer=None):
+        """Before a fresh cache is fed its prompt: methods that act on the whole prompt after the prefill
+        (``needs_prefill_pass``: kvzip, surprisal) get all but its last token cached and compressed here, with the
+        ids in hand. Returns the ids still to feed (the last one, or all of them when no pass runs); ``generate``
+        may be passed the whole prompt, as it feeds only what is not cached yet."""
+        if not self.needs_prefill_pass or input_ids.shape[-1] < 2 or self.get_seq_length():
+            return input_ids
+        self.prefill(model, input_ids[:, :-1], tokenizer=tokenizer)
+        return input_ids[:, -1:]
+
     def replay_prefill(self, source: KVCache) -> None:
         """Start from ``source``'s prefilled tokens and let this cache's methods compress them.
 

@@ -93,8 +93,7 @@ def chat(
         ids = torch.tensor([tokens + turn_tokens(tokenizer, messages, text)], device=model.device)
         cached = cache.get_seq_length()
         with torch.inference_mode():
-            if not cached and cache.needs_prefill_pass and ids.shape[-1] > 1:  # kvzip compresses the first prompt
-                cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
+            cache.run_prompt_pass(model, ids, tokenizer)  # kvzip compresses the first prompt
             output = model.generate(
                 ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=pad, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),

@@ -135,9 +135,7 @@ def _decode(model, cache, proposer, sampler, prompt, new, max_new_tokens, stops,
 
 def _prefill(model, cache: KVCache, ids: torch.Tensor, tokenizer) -> torch.Tensor:
     """Cache the prompt; the last position's logits ``[1, vocab]``."""
-    if cache.needs_prefill_pass and ids.shape[-1] > 1:  # kvzip: compress all but the last token with the ids in hand
-        cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
-        ids = ids[:, -1:]
+    ids = cache.run_prompt_pass(model, ids, tokenizer)
     return model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[0]
 
 

@@ -108,9 +108,7 @@ class CacheBackedKV:
         model = self.model
         cache = KVCache.for_model(self.methods, model)
         ids = torch.tensor([seq.token_ids[:count]], device=next(model.parameters()).device)
-        if cache.needs_prefill_pass and count > 1:  # kvzip, surprisal: compress all but the last token first
-            cache.prefill(model, ids[:, :-1], tokenizer=self.tokenizer)
-            ids = ids[:, -1:]
+        ids = cache.run_prompt_pass(model, ids, self.tokenizer)
         output = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         self.cache = cache
         return output.logits[0, -1:].float()
