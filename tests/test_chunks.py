@@ -1,0 +1,243 @@
+"""Chunk caching with selective recompute (kvopt.chunks): exactness, a token-by-token reference, tiers, bad input."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvopt
+from kvopt.chunks import Chunk, ChunkError, ChunkStore, blend
+from kvopt.models.forward import cache_kwargs
+from kvopt.tiers import DiskTier, RedisTier, TierChain
+from redis_server import RedisServer
+from tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tiny llama on kvopt's attention, and the same weights left on HF's own (for the slow references)."""
+    blended, reference = tiny_model("llama"), tiny_model("llama")
+    kvopt.prepare(blended)
+    return blended, reference
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models[0]
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return models[1]
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rag_prompt() -> list:
+    return [tokens(5, 1), Chunk(tuple(tokens(20, 2))), Chunk(tuple(tokens(17, 3))), tokens(6, 4)]
+
+
+def flat(pieces) -> list[int]:
+    return [t for piece in pieces for t in (piece.tokens if isinstance(piece, Chunk) else piece)]
+
+
+def last_logits(model, ids, cache) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids[:, -1:], **cache_kwargs(model, cache)).logits[0, -1]
+
+
+def test_blend_ratio_one_is_a_full_prefill_token_for_token(model):
+    pieces = rag_prompt()
+    ids = torch.tensor([flat(pieces)])
+    full = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    blended = blend(model, pieces, ChunkStore(model), blend_ratio=1.0)
+    out = model.generate(blended.input_ids, **cache_kwargs(model, blended.cache), max_new_tokens=12, min_new_tokens=12,
+                         do_sample=False)  # fmt: skip
+    assert torch.equal(out, full)
+    assert blended.recomputed == blended.chunk_tokens == 37
+
+
+def test_a_chunk_opening_the_prompt_is_reused_exactly(model, reference):
+    chunk, question = tokens(24, 5), tokens(7, 6)
+    blended = blend(model, [Chunk(tuple(chunk)), question], ChunkStore(model), blend_ratio=0.0)
+    ids = torch.tensor([chunk + question])
+    with torch.no_grad():
+        expected = reference(ids).logits[0, -1]
+    assert blended.recomputed == 0
+    torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("start", [1, 37, 300])
+def test_reuse_at_another_position_equals_computing_the_chunk_there(model, reference, start):
+    chunk, question = tokens(24, 7), tokens(5, 8)
+    store = ChunkStore(model)
+    kv = store.get(Chunk(tuple(chunk)))
+    there = DynamicCache()
+    with torch.no_grad():
+        reference(torch.tensor([chunk]), position_ids=torch.arange(start, start + 24)[None], **cache_kwargs(reference, there))
+    moved = DynamicCache()
+    for layer in range(len(kv.keys)):
+        keys = store.shifted_keys(kv, layer, start)
+        torch.testing.assert_close(keys, there.layers[layer].keys, atol=1e-5, rtol=0)
+        moved.update(keys, kv.values[layer], layer)
+    positions = torch.arange(start + 24, start + 29)[None]
+    with torch.no_grad():
+        expected = reference(torch.tensor([chunk + question]), position_ids=torch.arange(start, start + 29)[None])
+        got = reference(torch.tensor([question]), position_ids=positions, **cache_kwargs(reference, moved))
+    torch.testing.assert_close(got.logits[0, -1], expected.logits[0, -1], atol=1e-5, rtol=0)
+
+
+def slow_blend(reference, pieces, ratio: float, strategy: str, epic_tokens: int = 16, check: int = 1):
+    """Token by token: each recomputed token runs through the whole model over the KV of every earlier token
+    (HF's DynamicCache); layers up to the check layer hold a full prefill's KV (CacheBlend) and the chunks'
+    other tokens their KV computed alone at their prompt positions. Returns per-layer (keys, values)."""
+    ids = flat(pieces)
+    width = len(ids) - 1
+    layers = reference.config.num_hidden_layers
+    full = DynamicCache()
+    with torch.no_grad():
+        reference(torch.tensor([ids[:width]]), **cache_kwargs(reference, full))
+    reused_k = [full.layers[i].keys.clone() for i in range(layers)]
+    reused_v = [full.layers[i].values.clone() for i in range(layers)]
+    fresh = torch.ones(width, dtype=torch.bool)
+    start = 0
+    for piece in pieces:
+        size = len(piece.tokens if isinstance(piece, Chunk) else piece)
+        if isinstance(piece, Chunk):
+            alone = DynamicCache()
+            with torch.no_grad():
+                reference(torch.tensor([list(piece.tokens)]), position_ids=torch.arange(start, start + size)[None],
+                          **cache_kwargs(reference, alone))  # fmt: skip
+            end = min(start + size, width)
+            for i in range(layers):
+                reused_k[i][:, :, start:end] = alone.layers[i].keys[:, :, : end - start]
+                reused_v[i][:, :, start:end] = alone.layers[i].values[:, :, : end - start]
+            fresh[start:end] = False
+        start += size
+    chosen = fresh.clone()
+    fixed = 0
+    if strategy == "epic":
+        start = 0
+        for piece in pieces:
+            size = len(piece.tokens if isinstance(piece, Chunk) else piece)
+            if isinstance(piece, Chunk) and start > 0:
+                chosen[start : start + epic_tokens] = True
+            start += size
+    elif ratio > 0:
+        fixed = check + 1
+        deviation = (full.layers[check].values - reused_v[check]).square().sum(dim=(0, 1, 3))
+        deviation[fresh] = -float("inf")
+        count = round(ratio * int((~fresh).sum()))
+        chosen[deviation.topk(count).indices] = True
+    keys = [full.layers[i].keys.clone() if i < fixed else reused_k[i].clone() for i in range(layers)]
+    values = [full.layers[i].values.clone() if i < fixed else reused_v[i].clone() for i in range(layers)]
+    for t in range(width):
+        if not chosen[t]:
+            continue
+        prefix = DynamicCache()
+        for i in range(layers):
+            prefix.update(keys[i][:, :, :t], values[i][:, :, :t], i)
+        with torch.no_grad():
+            reference(torch.tensor([[ids[t]]]), position_ids=torch.tensor([[t]]), **cache_kwargs(reference, prefix))
+        for i in range(fixed, layers):
+            keys[i][:, :, t] = prefix.layers[i].keys[:, :, t]
+            values[i][:, :, t] = prefix.layers[i].values[:, :, t]
+    return keys, values
+
+
+@pytest.mark.parametrize(("strategy", "ratio"), [("cacheblend", 0.0), ("cacheblend", 0.15), ("cacheblend", 0.5),
+                                                 ("epic", 0.0)])  # fmt: skip
+def test_blending_equals_the_token_by_token_reference(model, reference, strategy, ratio):
+    pieces = rag_prompt()
+    blended = blend(model, pieces, ChunkStore(model), blend_ratio=ratio, strategy=strategy, epic_tokens=4)
+    keys, values = slow_blend(reference, pieces, ratio, strategy, epic_tokens=4)
+    for layer, (k, v) in zip(blended.cache.layers, zip(keys, values)):
+        torch.testing.assert_close(layer.store.keys, k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.store.values, v, atol=1e-5, rtol=0)
+    assert blended.recomputed == {0.0: 8 if strategy == "epic" else 0, 0.15: 6, 0.5: 18}[ratio]  # epic: 4 of each chunk
+
+
+def test_the_blended_cache_holds_a_full_prefill_s_bytes_and_a_compressed_method_drops_them(model):
+    pieces = rag_prompt()
+    full = blend(model, pieces, ChunkStore(model), blend_ratio=0.15)
+    reference = kvopt.cache("full", model)
+    reference.prefill(model, torch.tensor([flat(pieces)[:-1]]))
+    assert full.cache.nbytes() == reference.nbytes()
+    compressed = blend(model, pieces, ChunkStore(model, method="snapkv:ratio=0.5,window=4"), blend_ratio=0.15)
+    assert compressed.cache.spec == "snapkv:ratio=0.5,window=4"
+    assert compressed.cache.nbytes() < 0.65 * full.cache.nbytes()
+    out = model.generate(compressed.input_ids, **cache_kwargs(model, compressed.cache), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == compressed.input_ids.shape[1] + 4
+
+
+def test_chunk_keys_never_collide_across_models_methods_or_tokens(model):
+    chunk = tuple(tokens(10, 9))
+    other_model = tiny_model("llama", seed=1)
+    kvopt.prepare(other_model)
+    keys = {
+        ChunkStore(model).key(chunk), ChunkStore(model, method="kivi:bits=4").key(chunk),
+        ChunkStore(other_model).key(chunk), ChunkStore(model).key(chunk[:-1]), ChunkStore(model).key(chunk + (5,)),
+    }  # fmt: skip
+    assert len(keys) == 5
+    assert ChunkStore(model).key(chunk) == ChunkStore(model).key(list(chunk))
+
+
+def test_a_chunk_stored_by_one_store_is_found_by_another_through_disk_and_redis(model, tmp_path):
+    server = RedisServer()
+    chunk = Chunk(tuple(tokens(30, 10)))
+    try:
+        writer = ChunkStore(model, tiers=TierChain([DiskTier(tmp_path, 1 << 24), RedisTier(server.url)]))
+        stored = writer.get(chunk)
+        writer.flush()
+        for tier in (DiskTier(tmp_path, 1 << 24), RedisTier(server.url)):
+            reader = ChunkStore(model, tiers=TierChain([tier]))
+            found = reader.get(chunk)
+            assert tier.stats.hits == 1 and reader.stats.stores == 0
+            assert all(torch.equal(a, b) for a, b in zip(found.keys + found.values, stored.keys + stored.values))
+            reader.tiers.close()
+        writer.tiers.close()
+    finally:
+        server.stop()
+
+
+def test_a_damaged_stored_chunk_is_dropped_and_recomputed(model, tmp_path):
+    chunk = Chunk(tuple(tokens(30, 11)))
+    writer = ChunkStore(model, tiers=TierChain([DiskTier(tmp_path, 1 << 24)]))
+    stored = writer.get(chunk)
+    writer.flush()
+    (entry,) = tmp_path.glob("*/*.kvb")
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    reader = ChunkStore(model, tiers=TierChain([DiskTier(tmp_path, 1 << 24)]))
+    found = reader.get(chunk)
+    assert reader.stats.corrupt == 1 and reader.stats.stores == 1
+    assert all(torch.equal(a, b) for a, b in zip(found.keys, stored.keys))
+    reader.flush()
+    assert ChunkStore(model, tiers=TierChain([DiskTier(tmp_path, 1 << 24)])).get(chunk) is not None
+
+
+def test_bad_input_gets_one_line(model):
+    store = ChunkStore(model)
+    cases = {
+        "outside [0, 1]": lambda: blend(model, rag_prompt(), store, blend_ratio=1.5),
+        "blend_ratio=-0.1": lambda: blend(model, rag_prompt(), store, blend_ratio=-0.1),
+        "has no tokens": lambda: Chunk(()),
+        "over the model's 512 positions": lambda: blend(model, [Chunk(tuple(tokens(300, 1))), tokens(300, 2)], store),
+        "cannot serve fastkv": lambda: ChunkStore(model, method="fastkv:ratio=0.5"),
+        "cannot serve surprisal": lambda: ChunkStore(model, method="surprisal:ratio=0.5"),
+        "unknown blend strategy": lambda: blend(model, rag_prompt(), store, strategy="lego"),
+        "end the prompt with new text": lambda: blend(model, [tokens(3, 1), Chunk(tuple(tokens(9, 3)))],
+                                                      ChunkStore(model, method="kivi:bits=4")),
+    }  # fmt: skip
+    for words, call in cases.items():
+        with pytest.raises(ChunkError, match=words.replace("[", r"\[").replace("(", r"\(")) as error:
+            call()
+        assert "\n" not in str(error.value)
+    sliding = tiny_model("mistral")
+    kvopt.prepare(sliding)
+    with pytest.raises(ChunkError, match="sliding-window layers"):
+        ChunkStore(sliding)
