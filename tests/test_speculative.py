@@ -16,6 +16,7 @@ import kvopt
 from kvopt.errors import CacheUsageError, KVOptError
 from kvopt.speculative import DraftModel, PromptLookup, Sampler, parse_proposer
 from kvopt.speculative.control import MAX_PAUSE, DraftControl, DraftPace
+from kvopt.speculative.restore import speculate
 from kvopt.speculative.verify import verify
 
 SPECS = [
@@ -110,7 +111,7 @@ def test_a_block_left_without_commit_leaves_no_trace(target, spec):
     cache, untouched = kvopt.cache(spec, target), kvopt.cache(spec, target)
     for each in (cache, untouched):
         target(input_ids=ids, past_key_values=each, use_cache=True)
-    with cache.speculate():
+    with speculate(cache):
         target(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), past_key_values=cache, use_cache=True)
     assert_same_state(cache, untouched)
 
@@ -126,9 +127,9 @@ def test_commit_keeps_what_plain_steps_of_the_accepted_tokens_hold(target, spec,
         target(input_ids=ids, past_key_values=each, use_cache=True)
     for token in block[:accepted]:
         target(input_ids=torch.tensor([[token]]), past_key_values=reference, use_cache=True)
-    with cache.speculate():
+    with speculate(cache) as opened:
         target(input_ids=torch.tensor([block]), past_key_values=cache, use_cache=True)
-        cache.commit(accepted)
+        opened.commit(accepted)
     assert_same_state(cache, reference)
 
 
@@ -285,16 +286,17 @@ def test_misuse_is_refused(target):
     with pytest.raises(KVOptError, match="same family"):
         kvopt.generate(target, ids, speculate=DraftModel(other))
     cache = kvopt.cache("full", target)
-    with pytest.raises(CacheUsageError, match="needs an open speculative block"):
-        cache.commit(1)
-    with cache.speculate():
-        with pytest.raises(CacheUsageError, match="already open"), cache.speculate():
+    with speculate(cache) as opened:
+        with pytest.raises(CacheUsageError, match="already open"), speculate(cache):
             pass
         target(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
         with pytest.raises(CacheUsageError, match="holds 3 provisional tokens"):
-            cache.commit(4)
+            opened.commit(4)
+    assert cache.get_seq_length() == 0  # left without a commit: none kept
+    with pytest.raises(CacheUsageError, match="needs an open speculative block"):
+        opened.commit(1)
     batch = kvopt.cache("full", target)
-    with pytest.raises(CacheUsageError, match="batch of 1"), batch.speculate():
+    with pytest.raises(CacheUsageError, match="batch of 1"), speculate(batch):
         target(input_ids=ids[:, :3].repeat(2, 1), past_key_values=batch, use_cache=True)
     assert batch.get_seq_length() == 0  # the failed block left nothing behind
 

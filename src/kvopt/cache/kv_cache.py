@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,6 @@ class KVCache(Cache):
         self._config = config
         #: The model :meth:`for_model` built this cache for (weak: a cache never keeps a model alive).
         self._model: weakref.ref | None = None
-        self._speculating: list[KVLayer] | None = None
         #: The prompt's final hidden states ``[batch, tokens, hidden]`` from the prefill, for methods that
         #: read the model's own predictions of the prompt (``reads_prompt_states``); dropped once they acted.
         self.prompt_states = None
@@ -153,51 +151,6 @@ class KVCache(Cache):
         for layer, done in zip(self.layers, source.layers):
             layer.replay_prefill(done)
         self.prompt_states = source.prompt_states if self.reads_prompt_states else None
-
-    @contextmanager
-    def speculate(self, layers: int | None = None) -> Iterator[KVCache]:
-        """Open a speculative block: tokens fed inside are provisional until :meth:`commit`.
-
-        Inside, a forward over several tokens is verified exactly as plain decoding would process
-        them one by one (methods act after each token, see :meth:`KVLayer.open_speculation`);
-        ``commit(n)`` keeps the first ``n`` and forgets the others along with every score,
-        quantization or merge they caused, so the cache then holds exactly what plain decoding of
-        the kept tokens holds. Leaving the block without ``commit`` (or on an error) keeps none.
-        ``layers`` limits the block to the first layers (a self-speculative draft runs only those).
-
-            with cache.speculate():
-                logits = model(block, **cache_kwargs(model, cache)).logits
-                cache.commit(accepted)
-        """
-        if self._speculating is not None:
-            raise CacheUsageError("a speculative block is already open on this cache; commit it first")
-        if layers is not None and not 1 <= layers <= len(self.layers):
-            raise CacheUsageError(f"speculate(layers={layers}): the cache has {len(self.layers)} layers")
-        chosen = self.layers[:layers]
-        seen: set[int] = set()
-        for layer in chosen:
-            layer.open_speculation(seen)
-        self._speculating = chosen
-        try:
-            yield self
-        finally:
-            if self._speculating is not None:
-                self.commit(0)
-
-    def commit(self, accepted: int) -> None:
-        """Keep the first ``accepted`` tokens of the open speculative block; close it."""
-        layers, self._speculating = self._speculating, None
-        if layers is None:
-            raise CacheUsageError("commit() needs an open speculative block: use `with cache.speculate(): ...`")
-        for layer in layers:
-            layer.commit(accepted)
-
-    def speculation_limit(self) -> int | None:
-        """Most tokens the next speculative block may hold for its methods to act as in plain decoding
-        (a cross-layer merge must fall on the block's last token); None when unbounded."""
-        limits = [m.speculation_limit(layer) for layer in self.layers for m in self.methods]
-        limits = [limit for limit in limits if limit is not None]
-        return min(limits) if limits else None
 
     @property
     def spec(self) -> str:

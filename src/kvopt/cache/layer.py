@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -55,40 +54,16 @@ class Propagated:
         return positions[0] if bool((positions == positions[:1]).all()) else positions
 
 
-@dataclass
-class Speculation:
-    """A layer's restore point while a speculative block is open."""
+class AttentionMode(Protocol):
+    """A layer's attention taken over for a while: kvzip's reconstruction pass scores the stored tokens and
+    forgets the new ones (:mod:`kvopt.methods.kvzip`); a speculative block keeps its tokens provisional
+    (:mod:`kvopt.speculative.restore`). Set as :attr:`KVLayer.mode`; the owner sets it back to None."""
 
-    seen: int
-    seen_real: int
-    store: DenseKVStore
-    parts: list[KVPart]
-    #: Field values of the parts' objects (see :func:`record_fields`).
-    fields: list[tuple[object, dict]]
-    state: dict[str, object]
-    #: True when the methods allow a block to be attended in one call (see :meth:`KVLayer.open_speculation`).
-    at_once: bool
-    #: Most tokens the block may hold for that (None: any); a longer block is attended one token at a time.
-    limit: int | None
-    #: Attention inputs of each provisional token: ``(module, query, key, value, scaling, window, softcap)``.
-    steps: list[tuple] = field(default_factory=list)
+    #: What the mode is doing, for errors (e.g. "kvzip's reconstruction pass").
+    purpose: str
 
-
-def record_fields(obj: object, records: list[tuple[object, dict]], seen: set[int]) -> None:
-    """Append to ``records`` the field values of the dataclass objects making up a part (``obj`` and those
-    it holds), unless ``seen`` has them.
-
-    Parts never write into their tensors once built (they grow by concatenation into new ones), so
-    setting these fields back restores a part, in place: a part shared by two layers (MiniCache)
-    stays shared, whichever of them is restored.
-    """
-    if not dataclasses.is_dataclass(obj) or isinstance(obj, type) or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    values = {item.name: getattr(obj, item.name) for item in dataclasses.fields(obj)}
-    records.append((obj, values))
-    for value in values.values():
-        record_fields(value, records, seen)
+    def attend(self, layer: KVLayer, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
+        ...
 
 
 class KVLayer(SeamLayer):
@@ -122,10 +97,10 @@ class KVLayer(SeamLayer):
         #: When set, forwards only *score* the stored tokens: this function attends (returning the
         #: output) and records its scores, then the new tokens are forgotten (KVzip's reconstruction pass).
         self.scoring: Callable[[KVLayer, AttentionStep, float | None], torch.Tensor] | None = None
+        #: When set, attention calls go to it instead of :meth:`store_and_attend` (see :class:`AttentionMode`).
+        self.mode: AttentionMode | None = None
         #: The prefill step a recording cache kept (:func:`kvopt.methods.recording.record_prefill`), for replays.
         self.recorded_prefill: AttentionStep | None = None
-        #: The restore point while a speculative block is open (:meth:`open_speculation`), else None.
-        self.speculation: Speculation | None = None
         #: Set for one forward when only some of its tokens reach this layer (FastKV), else None.
         self.propagated: Propagated | None = None
 
@@ -136,9 +111,8 @@ class KVLayer(SeamLayer):
         self.seen_real = 0
         self.state = {}
         self.recorded_prefill = None
-        self.speculation = None
+        self.mode = None
         self.propagated = None
-        self._parked = None
 
     def crop(self, length: int) -> None:
         """HF rollback: a negative value removes that many tokens, a non-negative one keeps that many."""
@@ -171,14 +145,15 @@ class KVLayer(SeamLayer):
     def attend(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
         """Store the parked tokens, attend over the storage, then let the methods act."""
         self.take_parked(value)
-        if self.speculation is not None:
-            return self._attend_provisional(module, query, key, value, padding, scaling, sliding_window, softcap)
-        return self._store_and_attend(module, query, key, value, padding, scaling, sliding_window, softcap)
+        if self.mode is not None:
+            return self.mode.attend(self, module, query, key, value, padding, scaling, sliding_window, softcap)
+        return self.store_and_attend(module, query, key, value, padding, scaling, sliding_window, softcap)
 
-    def _store_and_attend(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
+    def store_and_attend(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
+        """Store the new tokens, attend over everything held, then let the methods act."""
         new = key.shape[-2]
         is_prefill = self.seen == 0
-        positions, real = self._store(key, value, padding[:, -new:] if padding is not None else None)
+        positions, real = self.store_tokens(key, value, padding[:, -new:] if padding is not None else None)
         store = self.store
         if self.scoring is not None:
             return self._score_and_forget(module, query, positions, scaling, softcap, new, real)
@@ -192,10 +167,10 @@ class KVLayer(SeamLayer):
             )
         else:
             output = self._attend_in_parts(query, keys, positions, scaling, softcap)
-        self._act(AttentionStep(module, query, positions, scaling, is_prefill))
+        self.act(AttentionStep(module, query, positions, scaling, is_prefill))
         return output
 
-    def _store(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def store_tokens(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """Append new tokens (``valid [batch, new]`` or None); their positions as stored (``[new]``, or
         ``[batch, new]`` when propagated rows differ), and how many are real."""
         batch, new = key.shape[0], key.shape[-2]
@@ -212,85 +187,12 @@ class KVLayer(SeamLayer):
         self.seen_real += real
         return positions, real
 
-    def _act(self, step: AttentionStep) -> None:
+    def act(self, step: AttentionStep) -> None:
         """Let the methods act on what the layer holds after ``step``'s attention."""
         for method in self.methods:
             method.after_attention(self, step)
         if self.sliding_window is not None:
             self._forget_outside_window()
-
-    # -- speculative blocks ---------------------------------------------------------------------
-    def open_speculation(self, seen: set[int]) -> None:
-        """Make the next tokens provisional until :meth:`commit` says how many of them to keep.
-
-        Every query of a block must see exactly the cache a plain decoding step would. When the
-        methods act on stored tokens only, and at most after a block's last token (``full``,
-        prefill-time eviction, ``kivi``, ``minicache``: :attr:`Method.verifies_at_once` within
-        :meth:`Method.speculation_limit`), a block is attended in one call and the methods act
-        once. Otherwise (decode-time eviction scores queries; sliding layers forget as they go)
-        its tokens are attended one at a time, the methods acting after each.
-
-        The restore point shares the dense store's buffers while the methods never act (a block
-        only appends to them), else copies them; the parts' fields are recorded (``seen`` holds the parts other layers of
-        the block recorded already: a part shared by two layers is restored once).
-        """
-        if self.scoring is not None:
-            raise CacheUsageError("a speculative block cannot run during kvzip's reconstruction pass")
-        at_once = self.sliding_window is None and all(m.verifies_at_once for m in self.methods)
-        limits = [limit for m in self.methods if (limit := m.speculation_limit(self)) is not None]
-        fields: list[tuple[object, dict]] = []
-        for part in self.parts:
-            record_fields(part, fields, seen)
-        limit = min(limits, default=None)  # None: the methods never act while decoding
-        store = self.store.snapshot(share_buffers=at_once and limit is None and self.store.start == 0)
-        self.speculation = Speculation(
-            self.seen, self.seen_real, store, list(self.parts), fields, dict(self.state), at_once, limit
-        )
-
-    def commit(self, accepted: int) -> None:
-        """Keep the first ``accepted`` provisional tokens and forget the rest, with every trace they left.
-
-        The layer goes back to its restore point and the accepted tokens are stored again one at a
-        time, the methods acting after each, as plain decoding stores them (the same buffers,
-        scores, quantized groups and merges). Methods that read queries need the attention redone
-        (a block of them wholly accepted is already in that state); the others need none.
-        """
-        speculation, self.speculation = self.speculation, None
-        if speculation is None:
-            raise CacheUsageError("commit() needs an open speculative block: use `with cache.speculate(): ...`")
-        steps = speculation.steps
-        if not 0 <= accepted <= len(steps):
-            raise CacheUsageError(f"commit({accepted}): the block holds {len(steps)} provisional tokens")
-        self._parked = None
-        if not speculation.at_once and accepted == len(steps):
-            return
-        self.seen, self.seen_real = speculation.seen, speculation.seen_real
-        self.store, self.parts, self.state = speculation.store, speculation.parts, speculation.state
-        for part, values in speculation.fields:
-            for name, value in values.items():
-                setattr(part, name, value)
-        for module, query, key, value, scaling, sliding_window, softcap in steps[:accepted]:
-            if speculation.at_once:
-                positions, _ = self._store(key, value, None)
-                self._act(AttentionStep(module, query, positions, scaling, False))
-            else:
-                self._store_and_attend(module, query, key, value, None, scaling, sliding_window, softcap)
-
-    def _attend_provisional(self, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
-        """Attend a speculative block's tokens (see :meth:`open_speculation`), recording them for :meth:`commit`."""
-        if key.shape[0] != 1 or (padding is not None and not bool(padding.all())):
-            raise CacheUsageError("speculative decoding runs one sequence without padding (batch of 1)")
-        speculation = self.speculation
-        steps = [
-            (module, *(t[:, :, i : i + 1] for t in (query, key, value)), scaling, sliding_window, softcap)
-            for i in range(key.shape[-2])
-        ]
-        speculation.steps.extend(steps)
-        limit = speculation.limit
-        if speculation.at_once and (limit is None or len(speculation.steps) <= limit):
-            return self._store_and_attend(module, query, key, value, None, scaling, sliding_window, softcap)
-        outputs = [self._store_and_attend(m, q, k, v, None, sc, sw, cap) for m, q, k, v, sc, sw, cap in steps]
-        return torch.cat(outputs, dim=1)
 
     def replay_prefill(self, source: KVLayer) -> None:
         """Take a copy of ``source``'s prefilled tokens and run this layer's methods on them.
@@ -329,18 +231,19 @@ class KVLayer(SeamLayer):
         if self.sliding_window is not None:
             raise CacheUsageError(f"{self.parts[0].kind} cannot serve sliding-window layers yet")
         scale = attention_math.default_scale(query, scaling)
-        quantized = self.parts[0]
-        one_quantized_part = len(self.parts) == 1 and isinstance(quantized, QuantizedKV)
-        if one_quantized_part and quantized.decodes_fused(query, positions, softcap):
-            # A quantized decode step on a GPU: the codes and the residual read by one kernel, no merges.
-            batch, heads, _, dim = query.shape
-            output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
-            dense = (keys, self.store.values, self.store.mask_rows()[1])
-            if quantized.decode_fused(query, scale, dense, out=output[:, 0]):
-                return output
+        # A part may read the dense store with itself in one call (KVPart's optional hook; kivi's GPU decode kernel).
+        fuse = getattr(self.parts[0], "attend_with_dense", None) if len(self.parts) == 1 else None
+        if fuse is not None:
+            fused = fuse(query, positions, scale, softcap, (keys, self.store.values, self.store.mask_rows()[1]))
+            if fused is not None:
+                return fused
         results = [part.attend(query, positions, scale, softcap) for part in self.parts]
         results.append(self.store.attend(query, positions, scale, softcap, keys=keys))
         return attention_math.merge_with_lse(results)[0].to(query.dtype).transpose(1, 2).contiguous()
+
+    def drop_parked(self) -> None:
+        """Forget keys parked by an ``update`` whose attention call never came (a forward that failed)."""
+        self._parked = None
 
     def parts_of(self, kind: type[Part]) -> list[Part]:
         """This layer's parts of one kind (e.g. ``layer.parts_of(QuantizedKV)``), in read order."""

@@ -199,6 +199,18 @@ class QuantizedKV:
             and kernels.quantized_decode_serves(query.device, self.group, self.bits)
         )  # fmt: skip
 
+    def attend_with_dense(
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None,
+        dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor | None:  # fmt: skip
+        """KVPart's optional hook: a decode step over these codes and the layer's dense residual in one kernel (no
+        merges), ``[B, 1, H_q, D]`` in the query's dtype; None where :meth:`decodes_fused` says it does not serve."""
+        if not self.decodes_fused(query, query_positions, softcap):
+            return None
+        batch, heads, _, dim = query.shape
+        output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
+        return output if self.decode_fused(query, scaling, dense, out=output[:, 0]) else None
+
     def decode_fused(
         self, query: torch.Tensor, scaling: float,
         dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, out: torch.Tensor | None = None,

@@ -98,7 +98,7 @@ class Method:
 
     #: True when, once the prompt is cached, :meth:`after_attention` reads only the stored tokens (never
     #: the queries) and acts at most after the last token of a block within :meth:`speculation_limit`:
-    #: a speculative block is then verified in one attention call (see :meth:`KVCache.speculate`);
+    #: a speculative block is then verified in one attention call (see :func:`kvopt.speculative.restore.speculate`);
     #: otherwise (decode-time eviction scores queries) its tokens are attended one at a time.
     verifies_at_once: ClassVar[bool] = False
 

@@ -7,11 +7,12 @@
 from kvopt.speculative.draft_model import DraftModel
 from kvopt.speculative.generate import GenerateOutput, SpeculationStats, generate
 from kvopt.speculative.lookup import PromptLookup
+from kvopt.speculative.restore import speculate
 from kvopt.speculative.sampling import Sampler
 from kvopt.speculative.self_draft import SelfSpeculation
 from kvopt.speculative.spec import Proposer, parse_proposer
 
 __all__ = [
     "DraftModel", "GenerateOutput", "PromptLookup", "Proposer", "Sampler", "SelfSpeculation", "SpeculationStats",
-    "generate", "parse_proposer",
+    "generate", "parse_proposer", "speculate",
 ]  # fmt: skip

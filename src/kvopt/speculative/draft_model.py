@@ -14,6 +14,7 @@ import torch
 
 from kvopt.errors import KVOptError
 from kvopt.models.forward import cache_kwargs
+from kvopt.speculative.restore import speculate
 
 
 @dataclass
@@ -51,7 +52,7 @@ class DraftModel:
         logits = self._forward(tokens[self.fed :], device)  # catch up on what was committed
         self.fed = len(tokens)
         drafts, probs = [], []
-        with self.draft_cache.speculate():  # the drafted tokens are forgotten on exit
+        with speculate(self.draft_cache):  # the drafted tokens are forgotten on exit
             for index in range(count):
                 q = self.sampler.probs(logits)[0]
                 drafts.append(self.sampler.draw(q))

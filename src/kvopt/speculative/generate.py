@@ -19,6 +19,7 @@ from kvopt.cache import KVCache
 from kvopt.errors import KVOptError
 from kvopt.models.forward import cache_kwargs
 from kvopt.speculative.control import DraftControl
+from kvopt.speculative.restore import block_limit, speculate
 from kvopt.speculative.sampling import Sampler
 from kvopt.speculative.spec import Proposer, parse_proposer
 from kvopt.speculative.verify import verify
@@ -111,7 +112,7 @@ def _decode(model, cache, proposer, sampler, prompt, new, max_new_tokens, stops,
     limit = None if any(m.extends_context for m in cache.methods) else cache.info.max_positions
     while len(new) < max_new_tokens and new[-1] not in stops:
         # Drafts that fit: all but the last token still to emit, a block the methods allow, the context.
-        blocks = [max_new_tokens - len(new), cache.speculation_limit(), limit and limit - cache.get_seq_length()]
+        blocks = [max_new_tokens - len(new), block_limit(cache), limit and limit - cache.get_seq_length()]
         count = control.next_length(min(block for block in blocks if block is not None) - 1)
         began = time.perf_counter()
         drafts, draft_probs = proposer.propose(prompt + new, count) if count > 0 else ([], None)
@@ -120,11 +121,11 @@ def _decode(model, cache, proposer, sampler, prompt, new, max_new_tokens, stops,
             stats.plain_steps += 1
             control.after_step(time.perf_counter() - began)
             continue
-        with cache.speculate():
+        with speculate(cache) as block:
             target = sampler.probs(_forward(model, cache, new[-1:] + drafts))
             accepted, following = verify(sampler, target, drafts, draft_probs)
             emitted = _until_stop(drafts[:accepted] + [following], stops)[: max_new_tokens - len(new)]
-            cache.commit(len(emitted))  # the block's first token and all emitted but the last
+            block.commit(len(emitted))  # the block's first token and all emitted but the last
         new.extend(emitted)
         stats.proposed += len(drafts)
         stats.accepted += accepted

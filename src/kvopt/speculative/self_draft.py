@@ -20,6 +20,7 @@ import torch
 
 from kvopt.errors import KVOptError
 from kvopt.models.forward import cache_kwargs
+from kvopt.speculative.restore import speculate
 
 
 @dataclass
@@ -47,7 +48,7 @@ class SelfSpeculation:
     def propose(self, tokens: list[int], count: int) -> tuple[list[int], torch.Tensor | None]:
         drafts, probs = [], []
         last = tokens[-1]
-        with self.cache.speculate(layers=self.layers), first_layers(self.decoder, self.layers):  # forgotten on exit
+        with speculate(self.cache, layers=self.layers), first_layers(self.decoder, self.layers):  # forgotten on exit
             for _ in range(count):
                 ids = torch.tensor([[last]], device=self.model.device)
                 logits = self.model(input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True).logits[0]
