@@ -7,7 +7,8 @@ attention give slots to heads with dispersed attention; a floor ``alpha`` keeps 
 own top ``b_h`` tokens plus the protected ``window``. Unlike kvpress, which masks the losers
 and keeps their memory, the survivors are packed per head into a ragged store, so the bytes
 held follow the budget. Scores come from the wrapped method (``scorer=snapkv`` by default,
-any registered eviction method works); compression happens once, at prefill.
+any registered eviction method works); compression happens once, at prefill. The layer's total follows
+``budgets=`` (:mod:`kvopt.methods.budgets`: uniform by default, ``pyramid`` as Ada-KV's ``pyram_mode``, or ``xkv``).
 Deviations: the window is protected for every head (as SnapKV), not re-scored; sliding-window and
 soft-capped layers (Mistral, Gemma 2), which ragged storage cannot serve yet, keep the same budget per
 head (the scorer's top tokens per head, in the dense store).
@@ -21,12 +22,13 @@ import torch
 
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import get, register
+from kvopt.methods.budgets import LayerBudgets
 from kvopt.methods.eviction import Eviction, keep_top
 
 
 @register
 @dataclass
-class AdaKV(Eviction):
+class AdaKV(LayerBudgets):
     """Share a layer's budget among its KV heads by a global top-k of the wrapped scorer's scores."""
 
     name = "adakv"

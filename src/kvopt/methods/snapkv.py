@@ -5,7 +5,8 @@ prompt tokens each head will attend to while generating. Scores are the window q
 softmax attention summed over the window (kvpress and AdaKV use the mean: same ranking),
 reduced over the GQA group by the mean (the official code repeats KV heads instead; we never
 expand them), smoothed by 1-D pooling, and the top tokens per KV head are kept together with
-the window itself. Defaults follow kvpress (window 64, kernel 5, avg pooling).
+the window itself. Defaults follow kvpress (window 64, kernel 5, avg pooling). ``budgets=pyramid`` or
+``budgets=xkv`` shares the layers' tokens unequally (:mod:`kvopt.methods.budgets`), same total.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import torch
 
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import register
-from kvopt.methods.eviction import Eviction
+from kvopt.methods.budgets import LayerBudgets
 from kvopt.methods.scores import attention_probs, pool, reduce_group
 
 
 @register
 @dataclass
-class SnapKV(Eviction):
+class SnapKV(LayerBudgets):
     """Keep, per KV head, the tokens the observation window attends to most (plus the window)."""
 
     name = "snapkv"
