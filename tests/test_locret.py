@@ -279,3 +279,42 @@ def test_heads_of_another_model_are_refused_with_one_line(model, trained, tmp_pa
     with pytest.raises(MethodParameterError) as refusal:
         kvopt.cache(f"locret:ratio=0.5,heads={path}", other)
     assert "was trained for another model" in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+# -- training: resumable, and the command ---------------------------------------------------------------
+def test_an_interrupted_training_resumes_to_the_same_heads(model, tmp_path):
+    ids = text_ids(6 * 256, seed=11)
+    options = {"sequence": 256, "steps_per_sequence": 2}
+    straight = locret_heads.train(model, ids, **options)
+    checkpoint = tmp_path / "heads.partial"
+
+    def stop_after_two(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        locret_heads.train(model, ids, checkpoint, progress=stop_after_two, **options)
+    seen = []
+    resumed = locret_heads.train(model, ids, checkpoint, progress=lambda done, total: seen.append(done), **options)
+    assert seen[0] == 2 and seen[-1] == 5  # 6 sequences: 5 to train on, 1 held out
+    for name, tensor in straight.heads.state_dict().items():
+        assert torch.equal(tensor, resumed.heads.state_dict()[name]), name
+
+
+def test_train_command_stores_heads_that_caches_then_load(tiny_with_tokenizer, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvopt.cli.main import app
+    from kvopt.models import load_tokenizer
+
+    folder = tmp_path / "model"
+    tiny_with_tokenizer[0].save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    monkeypatch.setenv("KVOPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(locret_heads, "SEQUENCE", 512)
+    result = CliRunner().invoke(app, ["train", "locret", "--model", str(folder), "--tokens", "1536", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "validation loss" in result.output and "1,536 tokens (3 sequences" in result.output
+    loaded, _ = kvopt.load_model(str(folder))
+    method = kvopt.cache("locret:ratio=0.5", loaded).methods[0]
+    assert method.trained.path == heads_file(tmp_path / "cache") and method.trained.report.tokens == 1536

@@ -53,12 +53,12 @@ from kvopt.models.info import ModelInfo
 
 #: Version of what training computes and of the file's layout (part of the file name: a change retrains).
 FORMAT = 1
-HIDDEN = 256
+HIDDEN = 128
 #: Tokens of a training sequence; its last ANSWER tokens are the answer whose queries define the target.
 SEQUENCE = 1024
 ANSWER = 128
 TRAIN_TOKENS = 32768
-STEPS_PER_SEQUENCE = 4
+STEPS_PER_SEQUENCE = 2
 SMOOTHNESS = 0.0025
 LEARNING_RATE = 5e-4
 CLIP = 0.5
@@ -182,16 +182,21 @@ def loss_terms(heads: RetainingHeads, features: torch.Tensor, targets: torch.Ten
 
 def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source: str = "token ids",
           progress: Callable[[int, int], None] | None = None, steps_per_sequence: int = STEPS_PER_SEQUENCE,
-          sequence: int = SEQUENCE) -> TrainedHeads:  # fmt: skip
+          sequence: int | None = None) -> TrainedHeads:  # fmt: skip
     """Train heads for ``model`` on ``ids [N]``, resuming from (and saving after every sequence to) ``checkpoint``.
+
+    Sequences are ``sequence`` tokens (default :data:`SEQUENCE`, fewer when ``ids`` would not make three), their
+    last quarter at most the answer.
 
     ``progress(done, total)`` is called after every training sequence (resumed ones counted as done).
     """
+    sequence = sequence or min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1))
+    answer = min(ANSWER, sequence // 4)
     pieces = sequences(ids.reshape(-1).to(next(model.parameters()).device), sequence)
-    if len(pieces) < MIN_SEQUENCES + 1:
+    if len(pieces) < MIN_SEQUENCES + 1 or answer < 4:
         raise MethodParameterError(
-            f"locret: training needs at least {(MIN_SEQUENCES + 1) * sequence} tokens of text "
-            f"({MIN_SEQUENCES} sequences of {sequence} to train on, one to validate), got {ids.numel()}; pass more"
+            f"locret: training needs at least {(MIN_SEQUENCES + 1) * max(sequence, 16)} tokens of text "
+            f"({MIN_SEQUENCES} sequences to train on, one to validate), got {ids.numel()}; pass more"
         )
     held_out = max(1, len(pieces) // 10)
     training, validation = pieces[:-held_out], pieces[-held_out:]
@@ -220,7 +225,7 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
     started = time.perf_counter() - spent
     for index in range(done, len(training)):
         with torch.no_grad():
-            features, targets = example(model, training[index])
+            features, targets = example(model, training[index], answer)
         if index == 0:
             heads.standardize(features, targets)
         for _ in range(steps_per_sequence):
@@ -238,7 +243,7 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
         if progress is not None:
             progress(index + 1, len(training))
     with torch.no_grad():
-        losses = [loss_terms(heads, *example(model, piece))[0].item() for piece in validation]
+        losses = [loss_terms(heads, *example(model, piece, answer))[0].item() for piece in validation]
     report = TrainingReport(
         seconds=round(time.perf_counter() - started, 2), tokens=len(pieces) * sequence, sequences=len(pieces),
         validation_loss=sum(losses) / len(losses), head_bytes=heads.nbytes(), text_source=text_source,
@@ -255,9 +260,10 @@ def model_fingerprint(model) -> str:
     with torch.no_grad():
         for name, tensor in model.named_parameters():
             flat = tensor.detach().reshape(-1)
-            picks = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel()), device=flat.device)
+            count = min(FINGERPRINT_SAMPLES, flat.numel())
+            picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
             hasher.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-            hasher.update(flat[picks.long()].float().cpu().numpy().tobytes())
+            hasher.update(flat[picks].float().cpu().numpy().tobytes())
     return hasher.hexdigest()
 
 
@@ -363,39 +369,51 @@ def text_ids(model, text: str, tokens: int = TRAIN_TOKENS) -> torch.Tensor:
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0, -tokens:]
 
 
-def cached_or_trained(model, text: Callable[[], str], notice: Callable[[str], None]) -> TrainedHeads:
-    """The cached heads of ``model``; missing or damaged ones are trained now when that is quick (with a
-    ``notice``), else the error names the training command."""
+def heads_folder(model) -> Path:
+    """``$KVOPT_CACHE/locret``, writable, or the error naming the training command."""
     from kvopt.models.loading import cache_dir
     from kvopt.paths import writable_folder
 
-    fingerprint = model_fingerprint(model)
-    device = next(model.parameters()).device
-    command = train_command(model)
     try:
-        folder = writable_folder(cache_dir() / "locret", "KVOPT_CACHE")
+        return writable_folder(cache_dir() / "locret", "KVOPT_CACHE")
     except KVOptError as error:
         raise MethodParameterError(
             f"locret: no retaining heads can be kept for this model ({error}); with a writable KVOPT_CACHE, "
-            f"run `{command}`"
+            f"run `{train_command(model)}`"
         ) from None
+
+
+def train_for_model(model, text: Callable[[], str], tokens: int | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> TrainedHeads:  # fmt: skip
+    """Train heads for ``model`` on the last ``tokens`` (default :data:`TRAIN_TOKENS`) of ``text()`` and store them
+    in the cache, resuming an interrupted run of the same settings."""
+    path = heads_path(heads_folder(model), model_fingerprint(model))
+    prose = text()
+    ids = text_ids(model, prose, tokens or TRAIN_TOKENS)
+    source = real_text()[1] if prose == real_text()[0] else "the caller's text"
+    partial = path.with_suffix(".partial")
+    trained = train(model, ids, partial, source, progress, sequence=min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1)))
+    save(path, trained, model_fingerprint(model))
+    partial.unlink(missing_ok=True)
+    trained.path = path
+    return trained
+
+
+def cached_or_trained(model, text: Callable[[], str], notice: Callable[[str], None]) -> TrainedHeads:
+    """The cached heads of ``model``; missing or damaged ones are trained now when that is quick (with a
+    ``notice``), else the error names the training command."""
+    fingerprint = model_fingerprint(model)
+    folder = heads_folder(model)
     path = heads_path(folder, fingerprint)
     damage = None
     if path.exists():
         try:
-            return load(path, fingerprint, device)
+            return load(path, fingerprint, next(model.parameters()).device)
         except HeadsFileError as error:
             damage = str(error)
     if estimated_seconds(model, TRAIN_TOKENS) > QUICK_SECONDS:
-        found = f"{damage}" if damage else "locret: no retaining heads are trained for this model yet"
-        raise MethodParameterError(f"{found}; training takes minutes: run `{command}` once")
-    prose = text()
-    ids = text_ids(model, prose, TRAIN_TOKENS)
-    source = real_text()[1] if prose == real_text()[0] else "the caller's text"
+        found = damage or "locret: no retaining heads are trained for this model yet"
+        raise MethodParameterError(f"{found}; training takes minutes: run `{train_command(model)}` once")
     notice(f"kvopt: {damage}; training them again" if damage else
            f"kvopt: training locret's retaining heads for this model once into {folder} (seconds)")  # fmt: skip
-    trained = train(model, ids, checkpoint=path.with_suffix(".partial"), text_source=source, sequence=SEQUENCE)
-    save(path, trained, fingerprint)
-    path.with_suffix(".partial").unlink(missing_ok=True)
-    trained.path = path
-    return trained
+    return train_for_model(model, text)
