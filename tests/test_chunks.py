@@ -241,3 +241,36 @@ def test_bad_input_gets_one_line(model):
     kvopt.prepare(sliding)
     with pytest.raises(ChunkError, match="sliding-window layers"):
         ChunkStore(sliding)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvopt.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.mark.parametrize("task", ["retrieval", "retrieval_2hop"])
+def test_the_retrieval_task_is_seeded_holds_its_answer_and_reuses_passages_elsewhere(tokenizer, task):
+    from kvopt.eval.tasks import TASKS, build_sample, format_prompt, score
+    from kvopt.eval.tasks.retrieval import passage
+
+    samples = [build_sample(task, tokenizer, 1024, index=index) for index in range(8)]
+    assert build_sample(task, tokenizer, 1024, index=3) == samples[3]
+    assert build_sample(task, tokenizer, 1024, index=3, seed=1) != samples[3]
+    places: dict[int, set[int]] = {}
+    for sample in samples:
+        documents, indices = sample.metadata["passages"], sample.metadata["pool_indices"]
+        assert len(documents) == 4 and sample.context == "\n\n".join(documents)
+        (answer,) = sample.answers
+        holder = sample.metadata["needed"][-1]
+        assert answer in documents[indices.index(holder)] and answer not in sample.question
+        if task == "retrieval_2hop":
+            link = documents[indices.index(sample.metadata["needed"][0])]
+            assert "archive replaced the" in link and answer not in link
+        assert len(sum(format_prompt(tokenizer, sample), [])) <= 1024 - sample.max_new_tokens
+        assert score(sample, f"It is {answer}.") == 1.0 and score(sample, "It is 1234567.") == 0.0
+        for position, index in enumerate(indices):
+            assert documents[position] == passage(index, TASKS[task].passage_words(1024))
+            places.setdefault(index, set()).add(position)
+    assert any(len(seen) > 1 for seen in places.values())  # a passage comes back at another position

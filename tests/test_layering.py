@@ -14,7 +14,6 @@ Layers, bottom first; a part imports parts of lower layers only (not its own lay
     speculative                    drafting and verifying on api caches
     engine                         the paged serving engine
     serving, eval                  the HTTP server; the evaluation grid
-    cluster                        replicas on Ray Serve behind a KV-aware router; batch on Ray Data
     cli                            the command line
     kvopt                          the package ``__init__``: the public face re-exports; nothing inside imports it
 
@@ -44,7 +43,6 @@ LAYERS = [
     ("speculative",),
     ("engine",),
     ("serving", "eval"),
-    ("cluster",),
     ("cli",),
     (FACE,),
 ]

@@ -6,6 +6,7 @@ from kvopt.eval.tasks.base import Sample, Task, TaskError
 from kvopt.eval.tasks.niah import MagicNumbers, Needle
 from kvopt.eval.tasks.passkey import Passkey
 from kvopt.eval.tasks.prose import ProseMultiKey, ProseNeedle
+from kvopt.eval.tasks.retrieval import Retrieval
 from kvopt.eval.tasks.ruler import CommonWords, FrequentWords, VariableTracking
 
 TASKS: dict[str, Task] = {
@@ -21,6 +22,7 @@ TASKS: dict[str, Task] = {
         VariableTracking(),
         CommonWords(),
         FrequentWords(),
+        *(Retrieval(name, passages=4, hops=hops) for name, hops in (("retrieval", 1), ("retrieval_2hop", 2))),
     )
 }
 
