@@ -21,10 +21,11 @@ from kvopt.cache.attention import prepare
 from kvopt.codec import load_cache, save_cache
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import KVOptError
+from kvopt.eval.recommend import recommend
 from kvopt.models import ModelInfo
 from kvopt.speculative import generate
 
 __all__ = [
     "LLM", "KVCache", "KVOptError", "ModelInfo", "SamplingParams", "cache", "generate", "load_cache", "load_model", "methods", "prepare",
-    "save_cache",
+    "recommend", "save_cache",
 ]  # fmt: skip

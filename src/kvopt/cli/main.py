@@ -305,6 +305,8 @@ def list_methods(
 app.command("batch")(batch)
 app.command("chat")(chat)
 app.command("serve")(serve)
+from kvopt.cli.recommend import recommend  # noqa: E402  (kvopt recommend)
+app.command("recommend")(recommend)
 from kvopt.cli.train import train  # noqa: E402  (kvopt train locret)
 app.add_typer(train, name="train")
 
