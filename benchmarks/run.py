@@ -85,7 +85,7 @@ ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
     "frontier,twobit"
 )
-SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed"
+SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
 DEFAULT_LENGTHS, SECOND_MODEL_LENGTHS = "2048,4096", "4096,8192"
 #: The longest prompts (second model only): the lossless cache, the best query-agnostic method, SnapKV and KIVI.
@@ -243,7 +243,8 @@ def main() -> None:
     if "frontier" in steps:  # fastkv prefill, rocketkv decode, streaming, shallowzip (benchmarks/results/frontier.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontier.py")], check=True)
     if "twobit" in steps:  # 2-bit KV: retrieval, perplexity, bytes and decode speed (benchmarks/results/twobit.jsonl)
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py")], check=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py"), *(["--model", args.model] if second else [])],
+                       check=True)  # fmt: skip
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -576,7 +577,7 @@ def second_model_part(name: str, folder: Path, report_dir: Path) -> list[str]:
     """A second model's sections under one heading (``## Second model: ...``), each one level down."""
     report = model_report(folder, report_dir / folder.name, name)
     sections = [*report[report.index("\n## ") + 1 :].splitlines(), "", *check_section(folder),
-                *memory_section(folder, name)]  # fmt: skip
+                *memory_section(folder, name), *committed_section(twobit, folder / twobit.ROWS.name)]  # fmt: skip
     # Sections this folder has no rows for (a placeholder line) are left out rather than shown empty.
     parts = re.split(r"^(?=## )", "\n".join(sections), flags=re.M)
     sections = "".join(part for part in parts if not any(text in part for text in PLACEHOLDERS)).splitlines()
@@ -614,9 +615,10 @@ def describe_rows(folder: Path) -> str:
     return "; ".join(parts) or "no scored rows yet"
 
 
-def committed_section(step) -> list[str]:
-    """A step's section from its committed rows (``step.ROWS``, rendered by ``step.render``); none without rows."""
-    path = step.ROWS
+def committed_section(step, path: Path | None = None) -> list[str]:
+    """A step's section from its committed rows (``path``, by default ``step.ROWS``, rendered by ``step.render``);
+    none without rows."""
+    path = path or step.ROWS
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return [*step.render(rows).splitlines(), ""] if rows else []
 

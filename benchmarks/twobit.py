@@ -43,6 +43,7 @@ METHODS = ["full", "kivi:bits=2", "kvquant:bits=2", "kvquant:bits=3", "aquakv:bi
 TWO_BIT = ["kivi:bits=2", "kvquant:bits=2", "aquakv:bits=2", "hf-quanto:bits=2"]
 #: Decode speed is compared between the 2-bit methods (the issue's bar: no slower than 0.8x kivi's).
 DECODE_METHODS = ["kivi:bits=2", "kvquant:bits=2", "aquakv:bits=2"]
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONDITIONS = "1 thread, on a 2-core machine shared with other jobs (contention)"
 
 
@@ -154,7 +155,7 @@ def render(rows: list[dict]) -> str:
         "## 2-bit KV: kvquant and aquakv (pre-RoPE keys, non-uniform levels, exact outliers, cross-layer prediction)",
         "",
         (
-            f"`python benchmarks/twobit.py`: {meta['model']}, {', '.join(meta['tasks'])} at "
+            f"`python benchmarks/twobit.py{'' if meta['model'] == DEFAULT_MODEL else ' --model ' + meta['model']}`: {meta['model']}, {', '.join(meta['tasks'])} at "
             f"{', '.join(map(str, meta['lengths']))} tokens, {meta['prompts_per_cell']} prompts per task and length "
             f"(needle depths x samples), query-agnostic; streaming perplexity over {meta['ppl_tokens']} tokens of "
             f"{meta['text_source']} in chunks of {meta['ppl_chunk']}; {meta['conditions']}. "
@@ -199,6 +200,13 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paths_for(model: str | None) -> tuple[Path, Path]:
+    """(rows file, grid folder) of a model: the default model's at the top of the results, a second model's in its
+    own folder (``benchmarks/results/<name>/``), where ``run.py`` composes its part of the report."""
+    base = RESULTS if model is None else RESULTS / model
+    return base / ROWS.name, base / GRID.name
+
+
 def main() -> None:
     from kvopt.eval.runner import RESULTS_FILE, EvalGrid, row_key, run_eval
     from kvopt.api import load_model
@@ -216,20 +224,24 @@ def main() -> None:
     parser.add_argument("--decode-length", type=int, default=8192)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--decode-repeats", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=GRID, help="folder of the resumable raw evaluation rows")
+    parser.add_argument("--model", default=None, help="a second model (e.g. qwen2.5-coder-0.5b): rows in its own folder")
+    parser.add_argument("--work", type=Path, default=None, help="folder of the resumable raw evaluation rows")
     args = parser.parse_args()
+    rows_file, work = paths_for(args.model)
+    args.work = args.work or work
     torch.set_num_threads(1)
     methods = args.methods.split(",")
     notes = [f"Not run: {reason}." for reason in map(missing, methods) if reason] + [args.note]
     methods = [parse_contender(spec).spec for spec in methods if not missing(spec)]  # as rows name them
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(args.model)
+    name = args.model or DEFAULT_MODEL
     extras = calibrations(model, methods)
     lengths = [int(x) for x in args.lengths.split(",")]
     tasks = args.tasks.split(",")
     grid = EvalGrid(tasks=[*tasks, "ppl"], lengths=lengths, methods=methods, depths=args.depths, samples=args.samples,
                     ppl_tokens=args.ppl_tokens, ppl_chunk=args.ppl_chunk)  # fmt: skip
     args.work.mkdir(parents=True, exist_ok=True)
-    plan = {"model": "SmolLM2-135M-Instruct", "methods": methods, "tasks": tasks, "lengths": lengths,
+    plan = {"model": name, "methods": methods, "tasks": tasks, "lengths": lengths,
             "prompts_per_cell": args.depths * args.samples, "reference": "full",
             "two_bit": [parse_contender(spec).spec for spec in TWO_BIT if not missing(spec)]}  # fmt: skip
     (args.work / PLAN).write_text(json.dumps(plan, indent=1) + "\n")
@@ -245,14 +257,14 @@ def main() -> None:
     compared = [spec for spec in methods if spec in {parse_contender(s).spec for s in DECODE_METHODS if not missing(s)}]
     decode = decode_speed(model, tokenizer, compared, args.decode_length, args.decode_tokens, args.decode_repeats)
     meta = {
-        "kind": "meta", "model": "SmolLM2-135M-Instruct", "tasks": sorted({r["task"] for r in rows} - {"ppl"}),
+        "kind": "meta", "model": name, "tasks": sorted({r["task"] for r in rows} - {"ppl"}),
         "lengths": sorted({r["length"] for r in rows if r["task"] != "ppl"}), "prompts_per_cell": plan["prompts_per_cell"], "ppl_tokens": args.ppl_tokens, "ppl_chunk": args.ppl_chunk,
         "text_source": real_text()[1].split(":")[0], "conditions": CONDITIONS,
         "decode_length": decode[0]["length"] if decode else args.decode_length,
         "eval_s": round(eval_s, 1), "notes": " ".join(notes), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     out = [meta, *rows, *summaries(rows, model, extras), *[{**row, "conditions": CONDITIONS} for row in decode]]
-    ROWS.write_text("".join(json.dumps(row) + "\n" for row in out))
+    rows_file.write_text("".join(json.dumps(row) + "\n" for row in out))
     print(render(out))
     print(f"raw rows: {args.work / RESULTS_FILE}")
 
