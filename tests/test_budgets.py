@@ -191,3 +191,20 @@ def test_bad_budgets_is_one_line():
     (method,) = parse("snapkv:ratio=0.5,budgets=xkv")
     assert not method.uniform_budgets and parse("snapkv:ratio=0.5")[0].uniform_budgets
     assert not parse("pyramidkv:ratio=0.5")[0].uniform_budgets and parse("pyramidkv:ratio=0.5")[0].spec() == "pyramidkv:ratio=0.5"
+
+
+def test_engine_serves_xkv_budgets_as_generate_does(folder_model):
+    """budgets=xkv in the engine (head blocks, as pyramidkv): the same tokens as generate with the same cache."""
+    from kvopt.engine import LLM, SamplingParams
+
+    model, _ = folder_model
+    spec = "snapkv:ratio=0.75,window=8,budgets=xkv"
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (120, 75)]
+    llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory="4MB")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, tokens in zip(prompts, outputs):
+        expected = model.generate(torch.tensor([prompt]), past_key_values=kvopt.cache(spec, model), max_new_tokens=8,
+                                  min_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
+        assert tokens == expected[0, len(prompt) :].tolist()
