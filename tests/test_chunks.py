@@ -274,3 +274,70 @@ def test_the_retrieval_task_is_seeded_holds_its_answer_and_reuses_passages_elsew
             assert documents[position] == passage(index, TASKS[task].passage_words(1024))
             places.setdefault(index, set()).add(position)
     assert any(len(seen) > 1 for seen in places.values())  # a passage comes back at another position
+
+
+def assert_pool_empty(llm) -> None:
+    assert llm.metrics()["kv_blocks_used"] == 0
+    assert all(block.ref_count == 0 for block in llm.engine.block_manager.blocks)
+
+
+def chunk_llm(tiny_with_tokenizer, **options):
+    model, tokenizer = tiny_with_tokenizer
+    options = {"kv_memory": "8MB", "max_num_batched_tokens": 512, "enable_chunk_caching": True, **options}
+    return kvopt.LLM(model, tokenizer=tokenizer, **options)
+
+
+DOCS = ("The river rises in the northern hills and runs south past the old mill.",
+        "Every autumn the village holds a fair where bakers sell bread and honey.")  # fmt: skip
+
+
+def test_the_engine_serves_chunked_prompts_and_blend_one_equals_the_plain_prompt(tiny_with_tokenizer):
+    params = kvopt.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = chunk_llm(tiny_with_tokenizer, blend_ratio=1.0)
+    tokenizer = llm.tokenizer
+    question = "Where does the river rise?"
+    ids = [t for text in (*DOCS, question) for t in tokenizer(text, add_special_tokens=False).input_ids]
+    chunked, plain = llm.generate([{"chunks": list(DOCS), "prompt": question}, ids], params, use_tqdm=False)
+    assert chunked.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert list(chunked.prompt_token_ids) == ids
+    again = llm.generate([{"chunks": [DOCS[1], DOCS[0]], "prompt": ids[:5]}], params, use_tqdm=False)
+    assert len(again[0].outputs[0].token_ids) == 8
+    assert llm.engine._chunk_stores["full"].stats.hits == 2  # both documents found again, in the other order
+    assert_pool_empty(llm)
+
+
+def test_engine_chunks_go_through_the_kv_tiers_to_another_engine(tiny_with_tokenizer, tmp_path):
+    params = kvopt.SamplingParams(max_tokens=4, temperature=0)
+    first = chunk_llm(tiny_with_tokenizer, kv_tiers=(f"disk:{tmp_path}:64MB",))
+    expected = first.generate([{"chunks": list(DOCS), "prompt": "Why?"}], params, use_tqdm=False)
+    first.close()
+    second = chunk_llm(tiny_with_tokenizer, kv_tiers=(f"disk:{tmp_path}:64MB",))
+    got = second.generate([{"chunks": list(DOCS), "prompt": "Why?"}], params, use_tqdm=False)
+    store = second.engine._chunk_stores["full"]
+    assert store.stats.stores == 0 and store.stats.misses == 2  # found on disk, none computed
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert_pool_empty(second)
+
+
+def test_engine_chunk_requests_refuse_bad_input_alone(tiny_with_tokenizer):
+    from kvopt.engine.config import EngineConfigError
+    from kvopt.engine.requests import RequestSchemaError
+
+    llm = chunk_llm(tiny_with_tokenizer)
+    params = kvopt.SamplingParams(max_tokens=2, temperature=0)
+    long_document = [5] * 2100
+    failed, fine = llm.generate([{"chunks": [long_document], "prompt": "Why?"}, {"chunks": [DOCS[0]], "prompt": "Why?"}],
+                                params, use_tqdm=False)  # fmt: skip
+    assert "context" in failed.error and fine.error is None
+    wrong = llm.generate([{"chunks": [DOCS[0]], "prompt": "Why?"}], kvopt.SamplingParams(max_tokens=2, kv_method="fastkv:ratio=0.5"),
+                         use_tqdm=False)  # fmt: skip
+    assert "cannot serve fastkv" in wrong[0].error
+    with pytest.raises(RequestSchemaError, match="chunks"):
+        llm.generate([{"chunks": [], "prompt": "Why?"}], params, use_tqdm=False)
+    (empty,) = llm.generate([{"chunks": [DOCS[0], ""], "prompt": "Why?"}], params, use_tqdm=False)
+    assert "has no tokens" in empty.error
+    assert_pool_empty(llm)
+    with pytest.raises(EngineConfigError, match="outside"):
+        chunk_llm(tiny_with_tokenizer, blend_ratio=2.0)
+    with pytest.raises(kvopt.engine.llm_engine.RequestError, match="enable_chunk_caching"):
+        chunk_llm(tiny_with_tokenizer, enable_chunk_caching=False).generate([{"chunks": [DOCS[0]], "prompt": "x"}])

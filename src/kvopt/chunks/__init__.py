@@ -5,7 +5,7 @@ reused chunks and new text with selective recompute (CacheBlend, or EPIC's recom
 tokens) into an ordinary kvopt cache that ``model.generate`` continues from.
 """
 
-from kvopt.chunks.blend import STRATEGIES, Blended, blend
+from kvopt.chunks.blend import STRATEGIES, Blended, blend, check_settings
 from kvopt.chunks.store import Chunk, ChunkError, ChunkKV, ChunkStore
 
-__all__ = ["STRATEGIES", "Blended", "Chunk", "ChunkError", "ChunkKV", "ChunkStore", "blend"]
+__all__ = ["STRATEGIES", "Blended", "Chunk", "ChunkError", "ChunkKV", "ChunkStore", "blend", "check_settings"]

@@ -118,13 +118,7 @@ def blend(
     strategy: str = "cacheblend", epic_tokens: int = 16, check_layer: int | None = None,
 ) -> Blended:  # fmt: skip
     """``pieces`` (new text as token ids, reused :class:`Chunk` s) as a cache for ``store.method``, see the module."""
-    if strategy not in STRATEGIES:
-        raise ChunkError(f"unknown blend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if not 0.0 <= blend_ratio <= 1.0:
-        raise ChunkError(f"blend_ratio={blend_ratio} is outside [0, 1]: the share of chunk tokens recomputed "
-                         "(0 = plain concatenation, 1 = full prefill), e.g. 0.15")  # fmt: skip
-    if epic_tokens < 0:
-        raise ChunkError(f"epic_tokens={epic_tokens} must be >= 0 (tokens recomputed at each chunk's start), e.g. 16")
+    check_settings(blend_ratio, strategy, epic_tokens)
     layers = store.info.num_layers
     check = min(1, layers - 2) if check_layer is None else check_layer
     if not 0 <= check <= layers - 2:
@@ -156,6 +150,17 @@ def blend(
     chunk_tokens = int((~plan.fresh).sum())
     recomputed = int((plan.chosen & ~plan.fresh).sum()) if plan.chosen is not None else plan.recomputed
     return Blended(target, torch.tensor([ids], device=device), chunk_tokens, recomputed)
+
+
+def check_settings(blend_ratio: float, strategy: str, epic_tokens: int = 16) -> None:
+    """One :class:`ChunkError` line for a blend setting out of range."""
+    if strategy not in STRATEGIES:
+        raise ChunkError(f"unknown blend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if not 0.0 <= blend_ratio <= 1.0:
+        raise ChunkError(f"blend_ratio={blend_ratio} is outside [0, 1]: the share of chunk tokens recomputed "
+                         "(0 = plain concatenation, 1 = full prefill), e.g. 0.15")  # fmt: skip
+    if epic_tokens < 0:
+        raise ChunkError(f"epic_tokens={epic_tokens} must be >= 0 (tokens recomputed at each chunk's start), e.g. 16")
 
 
 def _layout(pieces: Sequence[Chunk | Sequence[int]]) -> tuple[list[int], torch.Tensor, list[tuple[int, Chunk]]]:

@@ -10,13 +10,13 @@ from collections.abc import Iterator, Sequence
 
 from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig, EngineConfigError
-from kvopt.engine.llm_engine import LLMEngine, RequestError
+from kvopt.engine.llm_engine import ChunkedPrompt, LLMEngine, RequestError
 from kvopt.engine.outputs import RequestOutput
 from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt, max_tokens_within
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.models.info import ModelInfo
 
-Prompt = str | list[int]
+Prompt = str | list[int] | ChunkedPrompt
 Messages = list[dict[str, str]]
 
 
@@ -30,11 +30,17 @@ class LLM:
     ``model`` is a name or path understood by :func:`kvopt.load_model`, or an already loaded HF
     model (then pass its ``tokenizer``, or give prompts as token ids). ``device`` places a model loaded by name
     (``auto``: a CUDA GPU when there is one); a loaded model stays where it is.
+
+    ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"chunks": [doc_a, doc_b], "prompt": question}``
+    (documents as text or token ids): each document's KV is computed once, kept by content (and in ``kv_tiers``), and
+    reused wherever it appears, blended by ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens
+    recomputed, 0 = plain concatenation, 1 = full prefill; ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`.
     """
 
     def __init__(
         self, model=None, kv_method: str = "full", block_size: int = 16, kv_memory: str | int | float = "1GB",
-        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, **engine_options,
+        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, enable_chunk_caching: bool = False,
+        blend_ratio: float = 0.15, blend_strategy: str = "cacheblend", **engine_options,
     ) -> None:  # fmt: skip
         config = EngineConfig(kv_method, block_size, kv_memory, enable_prefix_caching, **engine_options)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
@@ -43,6 +49,8 @@ class LLM:
             model, tokenizer = load_model(model, dtype=dtype, device=device)
         _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
+        if enable_chunk_caching:
+            self.engine.enable_chunk_caching(blend_ratio, blend_strategy)
         self._ids = itertools.count()
         #: One caller at a time drives the engine (which is not thread-safe): add, step, abort, snapshots.
         self._lock = threading.RLock()
@@ -188,7 +196,7 @@ class LLM:
         """A ``max_tokens`` that cannot fit after the prompt is refused as the server and ``kvopt batch`` refuse it
         (the default, without ``sampling_params``, stops at the context). A prompt too long for any output, or text
         without a tokenizer, is the engine's to refuse (naming the prompt)."""
-        if params is None or (isinstance(prompt, str) and self.tokenizer is None):
+        if params is None or isinstance(prompt, ChunkedPrompt) or (isinstance(prompt, str) and self.tokenizer is None):
             return
         length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer(prompt).input_ids)
         context = self.engine.max_model_len
@@ -282,10 +290,22 @@ def _check_context(max_model_len: int | None, model) -> None:
 
 def _prompt_list(prompts: object) -> list[Prompt]:
     """``prompts`` as a list of prompts: one text or token-id list becomes a list of one; each checked."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(token, int) for token in prompts)):  # fmt: skip
-        return [check_prompt(prompts, "prompts")]
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and all(isinstance(token, int) for token in prompts)):  # fmt: skip
+        return [_one_prompt(prompts, "prompts")]
     if not isinstance(prompts, (list, tuple)):
         raise RequestSchemaError(f"prompts must be a string, a list of token ids, or a list of those; not "
                                  f"{type(prompts).__name__}", "prompts")  # fmt: skip
-    return [check_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
+    return [_one_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
+
+
+def _one_prompt(prompt: object, field: str) -> Prompt:
+    """A checked prompt; ``{"chunks": [...], "prompt": ...}`` becomes a :class:`ChunkedPrompt`."""
+    if not isinstance(prompt, dict):
+        return check_prompt(prompt, field)
+    if set(prompt) != {"chunks", "prompt"} or not isinstance(prompt["chunks"], (list, tuple)) or not prompt["chunks"]:
+        raise RequestSchemaError(f'{field}: a prompt with chunks is {{"chunks": [document, ...], "prompt": question}} '
+                                 f"with at least one document (got keys {sorted(prompt)})", field.split("[")[0])  # fmt: skip
+    chunks = tuple(check_prompt(chunk, f"{field}.chunks[{index}]") for index, chunk in enumerate(prompt["chunks"]))
+    question = check_prompt(prompt["prompt"], f"{field}.prompt")
+    return ChunkedPrompt(tuple(chunk if isinstance(chunk, str) else tuple(chunk) for chunk in chunks), question)

@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from kvopt.api import local_prose
+from kvopt.chunks import Chunk, ChunkError, ChunkStore, blend, check_settings
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import CPU_SPECULATE_MAX_BATCH, EngineConfig, EngineConfigError, parse_memory
@@ -46,6 +47,7 @@ from kvopt.errors import CacheUsageError, KVOptError
 from kvopt.methods import parse
 from kvopt.methods.full import Full
 from kvopt.methods.spec import storage
+from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 
@@ -81,6 +83,36 @@ class Request:
         # Siblings (n > 1) exist before any sequence can finish (forked after the prompt, or made with the request),
         # so "all finished" means all n.
         return self.error is not None or all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass(frozen=True)
+class ChunkedPrompt:
+    """A prompt whose ``chunks`` (retrieved documents: text or token ids) come first, their KV reused wherever they
+    appear (:mod:`kvopt.chunks`), then ``prompt`` (the question). Needs :meth:`LLMEngine.enable_chunk_caching`."""
+
+    chunks: tuple[str | tuple[int, ...], ...]
+    prompt: str | list[int]
+
+
+class BlendedKV(CacheBackedKV):
+    """A sequence whose prompt is reused chunks blended with new text (:func:`kvopt.chunks.blend`) into its own cache,
+    then served as any cache-backed sequence; recomputed after a preemption, it blends again with its output so far
+    as more new text."""
+
+    def __init__(self, pieces: list, store: ChunkStore, settings: dict, model, tokenizer, pool: PagedKVPool) -> None:
+        super().__init__(parse(store.method), model, tokenizer, pool)
+        self.pieces, self.store, self.settings = pieces, store, settings
+        self.prompt_tokens = sum(len(piece.tokens if isinstance(piece, Chunk) else piece) for piece in pieces)
+
+    def compute_prompt(self, seq: Sequence, count: int) -> torch.Tensor:
+        assert count >= self.prompt_tokens, "a blended prompt is computed in one pass"
+        extra = seq.token_ids[self.prompt_tokens : count]
+        blended = blend(self.model, [*self.pieces, extra] if extra else self.pieces, self.store, **self.settings)
+        with torch.no_grad():
+            output = self.model(input_ids=blended.input_ids[:, -1:], **cache_kwargs(self.model, blended.cache),
+                                use_cache=True, logits_to_keep=1)  # fmt: skip
+        self.cache = blended.cache
+        return output.logits[0, -1:].float()
 
 
 class LLMEngine:
@@ -125,6 +157,17 @@ class LLMEngine:
         self.generator.seed()  # its own nondeterministic seed; the process-wide generator is left alone
         self._seq_ids = itertools.count()
         self._failed: list[RequestOutput] = []
+        #: Blend settings once :meth:`enable_chunk_caching` ran (None: chunked prompts are refused), stores per spec.
+        self._chunk_settings: dict | None = None
+        self._chunk_stores: dict[str, ChunkStore] = {}
+
+    def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16) -> None:
+        """Serve :class:`ChunkedPrompt` requests: chunk KV kept by content (in the KV tiers too) and blended."""
+        try:
+            check_settings(blend_ratio, strategy, epic_tokens)
+        except ChunkError as error:
+            raise EngineConfigError(str(error)) from None
+        self._chunk_settings = {"blend_ratio": blend_ratio, "strategy": strategy, "epic_tokens": epic_tokens}
 
     def _drafting(self, device: torch.device) -> Drafting | None:
         """Speculative decoding as configured (None without ``speculate``); on a CPU, by default only while at most
@@ -151,11 +194,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use; give each request its own id")
-        text, ids = self._tokenize(prompt)
+        pieces, problem = self._chunk_pieces(prompt, params) if isinstance(prompt, ChunkedPrompt) else (None, None)
+        if pieces is not None:
+            text, ids = None, [token for piece in pieces for token in (piece.tokens if isinstance(piece, Chunk) else piece)]
+        else:
+            text, ids = self._tokenize(prompt)
         now = time.perf_counter()
         request = Request(request_id, text, ids, params, RequestMetrics(arrival_time=now))
         self.requests[request_id] = request
-        problem = self._check(ids, params)
+        problem = problem or self._check(ids, params)
         if problem:
             request.error = problem
             request.metrics.finished_time = now
@@ -166,10 +213,14 @@ class LLMEngine:
         compression = self._compression(params.kv_method or self.config.kv_method)
         # A lossless request's n completions fork after its prompt and share its blocks; a compressed one's each
         # hold their own compressed prompt from the start (what a method keeps is no block to share).
-        for index in range(1 if compression is None else params.n):
+        for index in range(1 if compression is None and pieces is None else params.n):
             seed = None if params.seed is None else params.seed + index  # as a fork seeds its stream
             generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            kv = LosslessKV() if compression is None else compression.new_kv()
+            if pieces is not None:
+                kv = BlendedKV(pieces, self._chunk_stores[params.kv_method or self.config.kv_method],
+                               self._chunk_settings, self.model, self.tokenizer, self.runner.pool)  # fmt: skip
+            else:
+                kv = LosslessKV() if compression is None else compression.new_kv()
             seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, index=index,
                            priority=priority, generator=generator, kv=kv)  # fmt: skip
             request.seqs.append(seq)
@@ -177,6 +228,29 @@ class LLMEngine:
             self.scheduler.add(seq)
             if self.offload is not None:
                 self.offload.prefetch(seq)
+
+    def _chunk_pieces(self, prompt: ChunkedPrompt, params: SamplingParams) -> tuple[list, str | None]:
+        """The request's pieces (a :class:`Chunk` per document, then the question's ids), or why it cannot be served."""
+        if self._chunk_settings is None:
+            raise RequestError("chunks need an engine with chunk caching: kvopt.LLM(enable_chunk_caching=True) or "
+                               "`kvopt serve --chunk-caching`")  # fmt: skip
+        spec = params.kv_method or self.config.kv_method
+        tiers = self.offload.chain if self.offload is not None else None
+        try:
+            if spec not in self._chunk_stores:
+                self._chunk_stores[spec] = ChunkStore(self.model, spec, tiers)
+            pieces = [Chunk(tuple(self._piece_ids(document))) for document in prompt.chunks]
+        except ChunkError as error:
+            return [], str(error)
+        return [*pieces, self._piece_ids(prompt.prompt)], None
+
+    def _piece_ids(self, piece: str | list[int] | tuple[int, ...]) -> list[int]:
+        """A chunked prompt's piece as ids: text without special tokens (pieces are joined as they are)."""
+        if isinstance(piece, str):
+            if self.tokenizer is None:
+                raise RequestError("a text chunk needs a tokenizer; pass tokenizer= or give token ids")
+            return list(self.tokenizer(piece, add_special_tokens=False).input_ids)
+        return [int(token) for token in piece]
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
