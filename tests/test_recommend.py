@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 
 import pytest
@@ -52,7 +53,7 @@ def test_ranking_follows_the_cited_rows():
         qualities.append((-candidate.quality, candidate.kv_bytes))
     assert qualities == sorted(qualities)
     assert found.choice == next(c for c in found.candidates if c.quality >= 0.9)
-    assert found.serve_command() == (f"kvopt serve --kv-method '{found.choice.spec}' --kv-memory 1000000000 "
+    assert found.serve_command() == (f"kvopt serve --kv-method {shlex.quote(found.choice.spec)} --kv-memory 1000000000 "
                                      "--max-model-len 4096 --max-num-seqs 1")  # fmt: skip
 
 
@@ -95,6 +96,14 @@ def test_prompts_rank_full_first_and_resume(model_folder, tmp_path, monkeypatch)
     monkeypatch.setattr("kvopt.api.load_model", lambda *a, **k: pytest.fail("answers were computed again"))
     again = recommend("1MB", 256, **kwargs)
     assert [(c.spec, c.agreement) for c in again.candidates] == [(c.spec, c.agreement) for c in found.candidates]
+    # The command prints the same, from the stored answers, ending with the spec to use and its serve line.
+    result = runner.invoke(app, ["recommend", "--memory", "1MB", "--context", "256", "--model", str(model_folder),
+                                 "--prompts", str(prompts), "--results", str(tmp_path / "results"), "--top", "2",
+                                 "--max-tokens", "6"], terminal_width=200)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    last = result.output.strip().splitlines()[-2:]
+    assert last[0].startswith("use: full (100% [")
+    assert last[1] == f"kvopt serve --model {model_folder} --kv-method full --kv-memory 1000000 --max-model-len 256 --max-num-seqs 1"
 
 
 def test_nearest_measured_model_is_said(model_folder, tmp_path):

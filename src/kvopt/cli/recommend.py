@@ -62,5 +62,5 @@ def recommend(
         lines.append(f"no spec that fits keeps {found.quality:.0%}; the best, {best.spec}, {best.evidence()}: "
                      "give more --memory, a shorter --context or a lower --quality")  # fmt: skip
     else:
-        lines += [f"use: {choice.spec} ({choice.evidence()})", found.serve_command(model)]
+        lines += [f"use: {choice.spec} ({choice.evidence()})", found.serve_command()]
     console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)

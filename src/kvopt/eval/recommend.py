@@ -14,7 +14,9 @@
   stopped run resumes, and the candidates are ranked by agreement with full's answers (the share of prompts
   answered token for token as full does, with its interval; the mean shared prefix breaks ties).
 
-The ranking is by quality, then fewer bytes; the spec to use is the first that keeps at least ``quality``.
+The ranking is by quality, then fewer bytes; the spec to use is the first whose measured share (the point
+estimate: the interval stands beside it, and with the ~20 answers a cell holds no lower bound reaches 95%) is at
+least ``quality``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import hashlib
 import json
 import math
+import shlex
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -110,7 +113,7 @@ class Recommendation:
     quality: float | None
     dtype: str
     #: The model whose committed rows rank the candidates (``model`` itself, or the nearest measured one).
-    measured_on: str | None
+    measured_on: str
     #: Why the rows are another model's (None when they are the model's own).
     nearest: str | None
     #: Which rows: files, tasks and lengths.
@@ -125,12 +128,12 @@ class Recommendation:
         floor = self.quality or 0.0
         return next((c for c in self.candidates if c.quality >= floor - 1e-12), None)
 
-    def serve_command(self, model_argument: str | None = None) -> str | None:
+    def serve_command(self) -> str | None:
         """The exact ``kvopt serve`` line for :attr:`choice`, or None when nothing meets the floor."""
         if self.choice is None:
             return None
-        model = f" --model {model_argument}" if model_argument else ""
-        return (f"kvopt serve{model} --kv-method '{self.choice.spec}' --kv-memory {self.memory} "
+        model = "" if self.model == DEFAULT_LABEL else f" --model {shlex.quote(self.model)}"
+        return (f"kvopt serve{model} --kv-method {shlex.quote(self.choice.spec)} --kv-memory {self.memory} "
                 f"--max-model-len {self.context} --max-num-seqs {self.batch}")  # fmt: skip
 
 
@@ -266,7 +269,7 @@ def recommend(
     by_model = measured_rows(folder)
     measured_on, nearest = _source(label, config, by_model, questions is not None)
     rows = _within_context(by_model[measured_on.lower()], context)
-    candidates, notes = _fitting(rows, info, context, batch, budget)
+    candidates, notes = _fitting(rows, info, context, batch)
     if not any(c.kv_bytes <= budget for c in candidates):
         smallest = min(candidates, key=lambda c: c.kv_bytes)
         raise KVOptError(
@@ -300,7 +303,7 @@ def _source(label: str, config, by_model: dict[str, list[Row]], has_prompts: boo
     )
 
 
-def _fitting(rows: list[Row], info, context: int, batch: int, budget: int) -> tuple[list[Candidate], list[str]]:
+def _fitting(rows: list[Row], info, context: int, batch: int) -> tuple[list[Candidate], list[str]]:
     """Every spec with rows (and ``full``), its bytes from the calculator, its share kept and its speed."""
     by_spec: dict[str, list[Row]] = {}
     for row in rows:
