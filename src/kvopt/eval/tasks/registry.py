@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvopt.eval.tasks.base import Sample, Task, TaskError
+from kvopt.eval.tasks.conversation import LongConversation
 from kvopt.eval.tasks.niah import MagicNumbers, Needle
 from kvopt.eval.tasks.passkey import Passkey
 from kvopt.eval.tasks.prose import ProseMultiKey, ProseNeedle
@@ -23,6 +24,7 @@ TASKS: dict[str, Task] = {
         CommonWords(),
         FrequentWords(),
         *(Retrieval(name, passages=4, hops=hops) for name, hops in (("retrieval", 1), ("retrieval_2hop", 2))),
+        LongConversation(),
     )
 }
 

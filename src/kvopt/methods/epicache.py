@@ -1,0 +1,296 @@
+"""``epicache``: a long conversation clustered into episodes, the question answered from its episode's cache.
+
+EpiCache (arXiv 2509.17396, apple/ml-epicache; ALGORITHMS.md section 23). A single eviction pass over a long
+history keeps what the *last* question needs and loses what a later question about an old topic needs. EpiCache
+cuts the history into segments of ``utterances`` lines, clusters them into ``episodes`` topics, compresses one
+cache per episode, scoring tokens by the attention a *patched prompt* (that episode's ``medoids`` most central
+segments, in order, after a fixed instruction) pays them, and answers each question from the episode whose
+centroid it matches. With the question in the prompt (one ``generate`` call: history + question), the question
+is routed first and only its episode's cache is built and kept: the others would be built the same way and
+never read (building one is what a per-episode cache costs; the question's KV stays, counted in the budget).
+
+How this implementation chooses where the paper leaves a choice:
+
+- **Segments** are lines (a token whose text holds a line break ends one; lines of at most 4 tokens, such as
+  chat headers or blank lines, join the next; a line over 256 tokens is cut into blocks of 256, which is the
+  fixed-block fallback for text without line breaks), ``utterances`` lines per segment (the paper's
+  ``conv_window`` = 4). The *question* is the prompt from the first line start within its last ``window``
+  tokens (the whole window when none is), so a chat question and its answer prefix form the query.
+- **Embeddings** come from the model itself: the hidden states after its middle decoder layer, each segment run
+  alone (no cache, the forward stopped there), mean-pooled over its tokens but the first (an attention sink, whose
+  activations are orders of magnitude larger), centred on the history's mean and L2-normalised. A middle layer
+  because topic information peaks mid-depth in decoder LMs while the last layers specialise in the next token;
+  the paper's cheapest option (mean input embeddings) is a bag of words, its best a separate 0.6B encoder,
+  a download this package avoids. Centring removes the component all segments share (anisotropy).
+- **Clustering** is k-means as sklearn's defaults run it for the paper (k-means++ seeding, 10 starts, seed 42),
+  written in torch; the question goes to argmax <q, c_e> (centroids not re-normalised, as in the paper).
+- **Scoring** is KVzip's (the paper builds on it): the max over the patched prompt's queries and the GQA group
+  of their softmax attention (:func:`kvopt.methods.kvzip.score_reconstruction`); the patched prompt sits at the
+  positions after the block, is attended over the retained tokens and the block, then forgotten.
+- **Block-wise prefill eviction** walks the history in blocks of ``block`` tokens: the retained tokens plus
+  the block are re-scored whenever they exceed the budget and the best ``budget`` per KV head stay (the paper's
+  ``pair-uniform`` level). Deviation: each block's keys and values come from the one lossless prefill every
+  kvopt method runs (``cache.prefill``), so they were computed with the whole past in view where the paper
+  computes them over the compressed past; peak memory while it runs is the full prompt's, as KVzip's.
+  The patched prompt is at most ``patch`` tokens (its segments nearest the centroid first, the last one cut).
+- **Budgets**: ``budget`` (or ``ratio``) is the prompt's share per layer and KV head, question included, as
+  for SnapKV, so equal specs hold equal bytes (a question longer than the budget keeps its last tokens only). Per-layer budgets from a measured sensitivity (the paper's
+  section 4) are not applied: every layer gets the same budget.
+
+Limits: one sequence per cache (each conversation routes its own question); no sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvopt.cache.storage import DenseKVStore
+from kvopt.errors import CacheUsageError, MethodParameterError
+from kvopt.methods.base import register
+from kvopt.methods.eviction import Eviction
+from kvopt.methods.kvzip import EXTRA, score_reconstruction
+from kvopt.models.forward import cache_kwargs
+
+#: The paper's instruction before the patched prompt (``prefill_memory_constrained``).
+INSTRUCTION = "\n\nExtract essential information from this conversation segment:\n"
+#: Lines this short (chat headers, blank lines) join the line after them.
+SHORT_LINE = 4
+#: A longer line is cut into blocks of this many tokens (text without line breaks: fixed blocks).
+LONG_LINE = 256
+#: sklearn's KMeans defaults as the paper calls it: starts and seed.
+KMEANS_STARTS, KMEANS_SEED = 10, 42
+
+
+@register
+@dataclass
+class EpiCache(Eviction):
+    """Cluster the history into episodes; keep the question's episode, compressed by its patched prompt's attention."""
+
+    name = "epicache"
+    summary = "episodic caches: history clustered into topics, question routed to its episode's cache (EpiCache)"
+    needs_prefill_pass = True
+    runs_in_engine = False  # the whole prompt and the tokenizer are needed before anything is kept
+
+    episodes: int = field(default=4, metadata={"help": "topics the history is clustered into"})
+    utterances: int = field(default=4, metadata={"help": "lines per segment (the unit clustered)"})
+    medoids: int = field(default=8, metadata={"help": "segments nearest the centroid forming the patched prompt"})
+    block: int = field(default=2048, metadata={"help": "history tokens per prefill block (eviction after each)"})
+    patch: int = field(default=1024, metadata={"help": "most tokens of the patched prompt (nearest segments first)"})
+    window: int = field(default=64, metadata={"help": "last prompt tokens searched for the question, kept"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("episodes", "utterances", "medoids", "window"):
+            if getattr(self, name) < 1:
+                raise MethodParameterError(f"epicache: {name}={getattr(self, name)} must be >= 1, e.g. epicache:{name}=4")
+        for name in ("block", "patch"):
+            if getattr(self, name) < 16:
+                raise MethodParameterError(
+                    f"epicache: {name}={getattr(self, name)} must be >= 16 tokens, e.g. epicache:{name}=1024"
+                )
+
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        if any(window is not None for window in model.sliding_windows):
+            raise MethodParameterError(
+                "epicache: this model has sliding-window layers, which epicache cannot rebuild yet; use snapkv or kvzip"
+            )
+
+    def after_attention(self, layer, step) -> None:
+        """Nothing during the prefill: segments, episodes and the question need the whole prompt."""
+
+    def after_prefill(self, cache, model, input_ids, attention_mask, tokenizer) -> None:
+        if tokenizer is None:
+            raise CacheUsageError("epicache needs the tokenizer: call cache.prefill(model, ids, tokenizer=tokenizer)")
+        if input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+            raise CacheUsageError("epicache routes one conversation per cache: pass one unpadded prompt (batch size 1)")
+        ids = input_ids[0].tolist()
+        plan = plan_conversation(ids, tokenizer, self.utterances, self.window)
+        layers = cache.layers
+        target = int(self.targets(layers[0], None)[0])
+        for layer in layers[1:]:
+            self.targets(layer, None)  # every layer records its prompt share (later tokens add on top)
+        question = max(plan.question_start, len(ids) - target)  # a question over the budget keeps its end
+        budget = target - (len(ids) - question)
+        if question <= budget:
+            return  # the whole history fits
+        prompt = []
+        if budget:
+            points = embed(model, [ids[start:stop] for start, stop in plan.segments] + [ids[question:]])
+            labels, centroids = kmeans(points[:-1], min(self.episodes, len(plan.segments)))
+            episode = route(points[-1], centroids)
+            patched = patched_prompt(ids, plan.segments, points[:-1], labels, centroids, episode, self.medoids, self.patch)
+            prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + patched
+        compress_blockwise(cache, model, ids, question, budget, prompt, self.block)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Where a prompt's history segments lie and where its question starts."""
+
+    #: ``(start, stop)`` token ranges of the history's segments, in order, covering ``[0, question_start)``.
+    segments: list[tuple[int, int]]
+    question_start: int
+
+
+def plan_conversation(ids: list[int], tokenizer, utterances: int, window: int) -> Conversation:
+    """Cut ``ids`` into lines and the lines into segments of ``utterances``; the question is the tail from the
+    first line start within the last ``window`` tokens (see the module docstring)."""
+    breaks = line_breaks(tokenizer, ids)
+    starts = [0] + [i + 1 for i, token in enumerate(ids[:-1]) if token in breaks]
+    tail = max(len(ids) - window, 1)
+    question_start = next((start for start in starts if start >= tail), tail)
+    lines, pending = [], 0
+    for start, stop in zip(starts, [*starts[1:], len(ids)]):
+        stop = min(stop, question_start)
+        if start >= stop:
+            break
+        if stop - pending <= SHORT_LINE and stop < question_start:
+            continue  # joins the next line
+        lines += [(cut, min(cut + LONG_LINE, stop)) for cut in range(pending, stop, LONG_LINE)]
+        pending = stop
+    segments = [(lines[i][0], lines[min(i + utterances, len(lines)) - 1][1]) for i in range(0, len(lines), utterances)]
+    return Conversation(segments, question_start)
+
+
+def line_breaks(tokenizer, ids: list[int]) -> set[int]:
+    """The ids among ``ids`` whose text holds a line break."""
+    unique = sorted(set(ids))
+    texts = tokenizer.batch_decode([[token] for token in unique])
+    return {token for token, text in zip(unique, texts) if "\n" in text}
+
+
+class _Stop(Exception):
+    """Ends a forward once the middle layer's hidden states are captured."""
+
+
+def embed(model, pieces: list[list[int]]) -> torch.Tensor:
+    """``[len(pieces), hidden]``: each piece alone through the model up to its middle layer, mean-pooled over its
+    tokens but the first (all of them for a one-token piece), centred on the mean of all pieces but the last
+    (the history's, when the last is the question) and L2-normalised."""
+    layers = model.get_decoder().layers
+    captured: list[torch.Tensor] = []
+
+    def stop(module, args, output):
+        captured.append((output[0] if isinstance(output, tuple) else output)[0].float())
+        raise _Stop
+
+    handle = layers[len(layers) // 2].register_forward_hook(stop)
+    try:
+        for piece in pieces:
+            ids = torch.as_tensor([piece], device=model.device)
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    pooled = torch.stack([states[1:].mean(dim=0) if len(states) > 1 else states[0] for states in captured])
+    centred = pooled - pooled[:-1].mean(dim=0) if len(pieces) > 1 else pooled
+    return torch.nn.functional.normalize(centred, dim=-1)
+
+
+def kmeans(points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels [n], centroids [k, dim])``: Lloyd's k-means from k-means++ seeds, the best of 10 starts by inertia."""
+    generator = torch.Generator().manual_seed(KMEANS_SEED)
+    points = points.double().cpu()
+    best = None
+    for _ in range(KMEANS_STARTS):
+        centroids = seed_centroids(points, k, generator)
+        for _ in range(300):
+            labels = torch.cdist(points, centroids).argmin(dim=1)
+            moved = torch.stack([points[labels == j].mean(dim=0) if (labels == j).any() else centroids[j] for j in range(k)])
+            if torch.equal(moved, centroids):
+                break
+            centroids = moved
+        labels = torch.cdist(points, centroids).argmin(dim=1)
+        inertia = float(((points - centroids[labels]) ** 2).sum())
+        if best is None or inertia < best[0]:
+            best = inertia, labels, centroids
+    return best[1], best[2].float()
+
+
+def seed_centroids(points: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """k-means++: the first centre uniformly, each next one with probability proportional to its squared distance."""
+    chosen = [int(torch.randint(len(points), (1,), generator=generator))]
+    for _ in range(1, k):
+        distance = torch.cdist(points, points[chosen]).amin(dim=1) ** 2
+        if float(distance.sum()) == 0.0:
+            chosen.append(chosen[-1])
+            continue
+        chosen.append(int(torch.multinomial(distance, 1, generator=generator)))
+    return points[chosen].clone()
+
+
+def route(query: torch.Tensor, centroids: torch.Tensor) -> int:
+    """The episode whose centroid has the largest dot product with the question's embedding."""
+    return int((centroids @ query.to(centroids.dtype)).argmax())
+
+
+def patched_prompt(
+    ids: list[int], segments: list[tuple[int, int]], points: torch.Tensor, labels: torch.Tensor,
+    centroids: torch.Tensor, episode: int, medoids: int, limit: int,
+) -> list[int]:  # fmt: skip
+    """The episode's ``medoids`` segments nearest its centroid (cosine), in chronological order, at most ``limit``
+    tokens (nearest first; the one that overflows is cut)."""
+    members = torch.nonzero(labels == episode).squeeze(-1)
+    closeness = points[members].float() @ centroids[episode]  # points are unit vectors: cosine up to |c|
+    nearest = members[closeness.argsort(descending=True)][:medoids].tolist()
+    chosen, room = [], limit
+    for index in nearest:
+        if room <= 0:
+            break
+        start, stop = segments[index]
+        chosen.append((index, start, min(stop, start + room)))
+        room -= stop - start
+    return [token for _, start, stop in sorted(chosen) for token in ids[start:stop]]
+
+
+def compress_blockwise(cache, model, ids: list[int], history: int, budget: int, prompt: list[int], block: int) -> None:
+    """Walk ``ids[:history]`` in blocks; keep per layer and KV head the ``budget`` tokens the patched ``prompt``
+    attends to most whenever the retained tokens plus the block exceed it; then hold them and the question."""
+    layers = cache.layers
+    full = [(layer.store.keys, layer.store.values) for layer in layers]
+    heads, device = full[0][0].shape[1], full[0][0].device
+    kept = [torch.empty(heads, 0, dtype=torch.long, device=device) for _ in layers]
+    for start in range(0, history, block):
+        stop = min(start + block, history)
+        fresh = torch.arange(start, stop, device=device).expand(heads, -1)
+        kept = [torch.cat([held, fresh], dim=1) for held in kept]
+        if kept[0].shape[1] <= budget or not budget:
+            kept = [held[:, :budget] for held in kept]
+            continue
+        install(layers, full, kept, stop, scoring=True)
+        fed = torch.as_tensor([prompt[: max(1, (cache.info.max_positions or len(ids)) - stop)]], device=device)
+        try:
+            with torch.no_grad():
+                model(input_ids=fed, attention_mask=torch.ones(1, stop + fed.shape[1], dtype=torch.long, device=device),
+                      **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)  # fmt: skip
+        finally:
+            for layer in layers:
+                layer.scoring = None
+        kept = [best(layer.store.extra(EXTRA)[0], held, budget) for layer, held in zip(layers, kept)]
+    question = torch.arange(history, len(ids), device=device).expand(heads, -1)
+    install(layers, full, [torch.cat([held, question], dim=1) for held in kept], len(ids), scoring=False)
+
+
+def best(scores: torch.Tensor, held: torch.Tensor, budget: int) -> torch.Tensor:
+    """The ``budget`` positions of ``held [heads, tokens]`` with the highest ``scores``, per head, in order."""
+    return held.gather(1, scores.topk(budget, dim=-1).indices).sort(dim=-1).values
+
+
+def install(layers, full, kept: list[torch.Tensor], seen: int, scoring: bool) -> None:
+    """Make each layer hold exactly the tokens at positions ``kept[layer] [heads, tokens]`` of ``full``, having
+    seen ``seen`` tokens; with ``scoring``, the next forward scores them (KVzip's hook) and is then forgotten."""
+    for layer, (keys, values), positions in zip(layers, full, kept):
+        index = positions[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+        layer.store = DenseKVStore.wrap(
+            keys.gather(2, index), values.gather(2, index), positions[None].to(torch.int32), heads_aligned=False
+        )
+        layer.seen, layer.seen_real = seen, seen
+        if scoring:
+            layer.store.add_extra(EXTRA)
+            layer.scoring = score_reconstruction

@@ -1,0 +1,284 @@
+"""epicache: segments, embeddings, clustering, routing and block-wise eviction against slow references on tiny
+models with the default model's tokenizer; the bytes held drop to the budget; the engine serves it as ``generate``
+does; bad input is one line each."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvopt
+from kvopt.cache.attention import prepare
+from kvopt.engine import LLM, SamplingParams
+from kvopt.errors import CacheUsageError, MethodParameterError
+from kvopt.eval.tasks import build_sample, format_prompt
+from kvopt.methods.epicache import INSTRUCTION, EpiCache, embed, kmeans, plan_conversation, route
+from kvopt.models.forward import cache_kwargs
+
+
+def tiny(tokenizer, layers: int, kv_heads: int, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    prepare(model)
+    return model
+
+
+def conversation(tokenizer, length: int = 1536, depth: float = 0.5, index: int = 0) -> list[int]:
+    """A conversation task prompt (history + question + answer prefix) as token ids."""
+    context, question = format_prompt(tokenizer, build_sample("conversation", tokenizer, length, depth, index))
+    return context + question
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_with_tokenizer):
+    return tiny_with_tokenizer[1]
+
+
+# -- segments -------------------------------------------------------------------------------------
+def test_segments_are_groups_of_lines_and_the_question_is_the_tail(tokenizer):
+    """Reference from the text: a line ends where the decoded prefix ends with a line break."""
+    ids = conversation(tokenizer)[:-1]
+    plan = plan_conversation(ids, tokenizer, utterances=3, window=64)
+    starts = [0] + [i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\n")]
+    question = next(s for s in starts if s >= len(ids) - 64)
+    assert tokenizer.decode(ids[question:]).startswith("Earlier we discussed")
+    lines, joined = [], None  # a line of at most 4 tokens (a chat header) starts the next one
+    for a, b in zip(starts, starts[1:] + [question]):
+        if b <= question:
+            a = a if joined is None else joined
+            joined = a if b - a <= 4 else None
+            if joined is None:
+                assert b - a <= 256  # no line long enough to be cut here
+                lines.append((a, b))
+    assert tokenizer.decode(ids[lines[0][0] : lines[0][1]]).startswith("<|im_start|>system")
+    expected = [(lines[i][0], lines[min(i + 3, len(lines)) - 1][1]) for i in range(0, len(lines), 3)]
+    assert plan.segments == expected and plan.question_start == question
+
+
+def test_text_without_line_breaks_is_cut_into_fixed_blocks(tokenizer):
+    ids = tokenizer(" word" * 700, add_special_tokens=False)["input_ids"]
+    plan = plan_conversation(ids, tokenizer, utterances=2, window=32)
+    assert plan.question_start == len(ids) - 32
+    assert plan.segments == [(0, 512), (512, len(ids) - 32)]
+
+
+# -- embeddings, clustering, routing ----------------------------------------------------------------
+def test_embeddings_are_the_middle_layer_mean_centred_and_normalised(tokenizer):
+    model = tiny(tokenizer, layers=4, kv_heads=2)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in
+              ("The licence grants rights.", "Patents are a risk to free software.", "A cat sat.", "What was it?")]  # fmt: skip
+    pooled = []
+    for piece in pieces:
+        with torch.no_grad():
+            states = eager(torch.tensor([piece]), output_hidden_states=True).hidden_states[3][0]  # after layer 2 of 4
+        pooled.append(states[1:].mean(dim=0))
+    pooled = torch.stack(pooled)
+    centred = pooled - pooled[:-1].mean(dim=0)
+    expected = centred / centred.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(embed(model, pieces), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kmeans_finds_the_least_inertia_partition():
+    """Against every assignment of 7 points to 3 clusters (the partition of least inertia)."""
+    points = torch.nn.functional.normalize(torch.randn(7, 5, generator=torch.Generator().manual_seed(3)), dim=-1)
+
+    def inertia(labels) -> float:
+        total = 0.0
+        for j in set(labels):
+            members = points[[i for i, label in enumerate(labels) if label == j]]
+            total += float(((members - members.mean(dim=0)) ** 2).sum())
+        return total
+
+    best = min(itertools.product(range(3), repeat=7), key=inertia)
+    labels, centroids = kmeans(points, 3)
+    assert inertia(labels.tolist()) == pytest.approx(inertia(best), abs=1e-9)
+    groups = lambda labels: sorted(sorted(i for i in range(7) if labels[i] == j) for j in set(labels))  # noqa: E731
+    assert groups(labels.tolist()) == groups(best)
+    for j in range(3):
+        torch.testing.assert_close(centroids[j], points[labels == j].mean(dim=0).float())
+
+
+def test_route_picks_the_largest_dot_product():
+    generator = torch.Generator().manual_seed(4)
+    centroids, query = torch.randn(5, 7, generator=generator), torch.randn(7, generator=generator)
+    dots = [sum(float(a) * float(b) for a, b in zip(centroid, query)) for centroid in centroids]
+    assert route(query, centroids) == dots.index(max(dots))
+
+
+# -- block-wise eviction -------------------------------------------------------------------------
+def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[int]:
+    """Positions a one-layer, one-KV-head model keeps: routing and the patched prompt written out, then each
+    block scored by an eager forward whose mask lets the patched prompt see only the retained tokens, the block
+    and itself (the history's keys see their whole past, as the one lossless prefill computed them)."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    n = len(ids)
+    plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
+    history = plan.question_start
+    budget = int(n * (1 - method.ratio)) - (n - history)
+    points = embed(model, [ids[a:b] for a, b in plan.segments] + [ids[history:]])
+    labels, centroids = kmeans(points[:-1], method.episodes)
+    dots = [float(centroid @ points[-1]) for centroid in centroids]
+    episode = dots.index(max(dots))
+    members = [i for i in range(len(plan.segments)) if labels[i] == episode]
+    nearest = sorted(members, key=lambda i: -float(points[i] @ centroids[episode]))[: method.medoids]
+    patched, room = [], method.patch
+    for i in nearest:
+        if room <= 0:
+            break
+        a, b = plan.segments[i]
+        patched.append((i, ids[a : min(b, a + room)]))
+        room -= b - a
+    prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + [t for _, p in sorted(patched) for t in p]
+    kept: list[int] = []
+    for start in range(0, history, method.block):
+        stop = min(start + method.block, history)
+        candidates = kept + list(range(start, stop))
+        if len(candidates) <= budget:
+            kept = candidates
+            continue
+        total = stop + len(prompt)
+        visible = torch.ones(total, total).tril().bool()
+        visible[stop:, :stop] = False
+        visible[stop:, candidates] = True
+        mask = torch.zeros(1, 1, total, total).masked_fill(~visible, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            attention = eager(torch.tensor([ids[:stop] + prompt]), attention_mask=mask, output_attentions=True,
+                              logits_to_keep=1).attentions[0]
+        scores = attention[0, :, stop:, candidates].amax(dim=(0, 1))
+        kept = sorted(candidates[i] for i in scores.topk(budget).indices.tolist())
+    return kept + list(range(history, n))
+
+
+@pytest.mark.parametrize("block", [256, 5000])
+def test_kept_tokens_match_the_slow_reference(tokenizer, block):
+    model = tiny(tokenizer, layers=1, kv_heads=1, seed=2)
+    ids = conversation(tokenizer, depth=0.2)[:-1]
+    method = EpiCache(ratio=0.75, episodes=3, utterances=2, medoids=3, block=block, patch=200)
+    cache = kvopt.cache([method], model)
+    cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
+    (layer,) = cache.layers
+    kept = reference_kept(model, tokenizer, ids, method)
+    assert layer.store.positions[0, 0].tolist() == kept
+    assert layer.seen == len(ids) and not layer.store.has_extra("kvzip")
+    # Decoding reads exactly the kept tokens: the next token's logits are an eager forward's that sees only them.
+    following = tokenizer(" The", add_special_tokens=False)["input_ids"]
+    assert len(following) == 1
+    with torch.no_grad():
+        logits = model(torch.tensor([following]), **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    total = len(ids) + 1
+    visible = torch.zeros(total, dtype=torch.bool)
+    visible[kept + [len(ids)]] = True
+    mask = torch.zeros(1, 1, 1, total).masked_fill(~visible, torch.finfo(torch.float32).min)
+    full = torch.ones(1, 1, total - 1, total).tril(diagonal=0).bool()  # earlier rows: ordinary causal
+    mask = torch.cat([torch.zeros(1, 1, total - 1, total).masked_fill(~full, torch.finfo(torch.float32).min), mask], 2)
+    with torch.no_grad():
+        expected = eager(torch.tensor([ids + following]), attention_mask=mask).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bytes_drop_to_the_budget_and_match_snapkv(tokenizer, tiny_with_tokenizer):
+    """Every layer and KV head holds the budget (question included), nothing of the patched prompt; the bytes
+    are those of its tokens and their positions, as snapkv's at the same budget, under a third of full's."""
+    model = tiny_with_tokenizer[0]
+    ids = torch.tensor([conversation(tokenizer, depth=0.9)])
+    held = {}
+    for spec in ("full", "snapkv:budget=300", "epicache:budget=300,block=512"):
+        cache = kvopt.cache(spec, model)
+        with torch.no_grad():
+            cache.prefill(model, ids, tokenizer=tokenizer)
+        held[spec] = cache
+    epi = held["epicache:budget=300,block=512"]
+    for layer in epi.layers:
+        positions = layer.store.positions[0]
+        assert positions.shape[-1] == 300 and int(positions.max()) < ids.shape[1]
+        assert len({tuple(head.tolist()) for head in positions}) == positions.shape[0]  # heads choose their own
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = config.num_key_value_heads * (2 * head_dim * 4 + 4)  # fp32 keys and values, int32 positions
+    assert epi.nbytes() == config.num_hidden_layers * 300 * per_token  # snapkv's too, but its ~3% room to grow
+    assert epi.nbytes() <= held["snapkv:budget=300"].nbytes() < held["full"].nbytes() / 3
+
+
+# -- the engine -------------------------------------------------------------------------------------
+def generate_with_cache(model, tokenizer, spec: str, prompt: list[int], new_tokens: int = 8) -> list[int]:
+    cache = kvopt.cache(spec, model)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        cache.prefill(model, ids[:, :-1], tokenizer=tokenizer)
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+                                max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return output[0, len(prompt) :].tolist()
+
+
+def test_engine_outputs_equal_generate(tokenizer, tiny_with_tokenizer):
+    model = tiny_with_tokenizer[0]
+    spec = "epicache:ratio=0.75,block=256,episodes=3"
+    prompts = [conversation(tokenizer, 1024, depth, index) for index, depth in enumerate((0.1, 0.5, 0.9))]
+    llm = LLM(copy.deepcopy(model), tokenizer=tokenizer, kv_method=spec, kv_memory="8MB", max_num_batched_tokens=96)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [out.error for out in outputs] == [None] * 3
+    assert [out.outputs[0].token_ids for out in outputs] == [generate_with_cache(model, tokenizer, spec, p) for p in prompts]
+    assert llm.metrics()["kv_blocks_used"] == 0
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("epicache:budget=300,episodes=0", "episodes=0 must be >= 1"),
+        ("epicache:budget=300,block=8", "block=8 must be >= 16"),
+        ("epicache:budget=300,utterances=0", "utterances=0 must be >= 1"),
+        ("epicache:episodes=4", "give exactly one of ratio"),
+    ],
+)
+def test_bad_parameters_are_one_line(tiny_with_tokenizer, spec, message):
+    with pytest.raises(MethodParameterError, match=message) as error:
+        kvopt.cache(spec, tiny_with_tokenizer[0])
+    assert "\n" not in str(error.value)
+
+
+def test_sliding_window_models_are_refused():
+    from tiny_models import tiny_model
+
+    with pytest.raises(MethodParameterError, match="sliding-window layers") as error:
+        kvopt.cache("epicache:ratio=0.5", tiny_model("mistral"))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("problem", ["batch", "no tokenizer"])
+def test_bad_use_is_one_line(tokenizer, tiny_with_tokenizer, problem):
+    model = tiny_with_tokenizer[0]
+    ids = torch.tensor([conversation(tokenizer, 1024)])
+    kwargs = {"tokenizer": tokenizer}
+    if problem == "batch":
+        ids = ids.expand(2, -1)
+    else:
+        kwargs = {}
+    with pytest.raises(CacheUsageError) as error:
+        kvopt.cache("epicache:ratio=0.75", model).prefill(model, ids, **kwargs)
+    assert "\n" not in str(error.value) and "epicache" in str(error.value)
+
+
+@pytest.mark.parametrize("ratio", [0.99, 0.5])
+def test_short_budgets_keep_the_question_end_within_the_budget(tokenizer, tiny_with_tokenizer, ratio):
+    """A budget under the question keeps the question's last tokens only; a prompt under the window still
+    compresses to its share (never more than the budget held)."""
+    model = tiny_with_tokenizer[0]
+    ids = conversation(tokenizer, 1024)[:-1] if ratio == 0.99 else conversation(tokenizer, 1024)[-60:]
+    cache = kvopt.cache(f"epicache:ratio={ratio}", model)
+    cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
+    keep = int(len(ids) * (1 - ratio))
+    for layer in cache.layers:
+        assert layer.store.positions[0].tolist() == [list(range(len(ids) - keep, len(ids)))] * 2
