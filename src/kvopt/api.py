@@ -24,7 +24,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     """Load ``(model, tokenizer)`` with its attention routed through kvopt's, ready for kvopt caches.
 
     ``name_or_path``: None for the embedded default model, a local HF folder, or a .gguf file.
-    ``dtype``: torch dtype or name; default is the checkpoint's own dtype.
+    ``dtype``: torch dtype or name (``fp32``, ``bf16``), or ``auto``: bf16 on a CPU with bf16 arithmetic, fp32 on
+    other CPUs, the checkpoint's on an accelerator; default is the checkpoint's own dtype.
     ``device``: where the model runs (a name, ``auto`` for a CUDA GPU when there is one); default the CPU.
     """
     model, tokenizer = load_pretrained(name_or_path, dtype, device)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvopt.cli.batch import batch
 from kvopt.cli.chat import chat
-from kvopt.cli.options import DeviceOption, ModelOption
+from kvopt.cli.options import DeviceOption, DtypeOption, ModelOption
 from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
@@ -94,7 +94,7 @@ def generate(
     method: MethodOption = "full",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 128,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="wrap the prompt in the chat template")] = True,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    dtype: DtypeOption = None,
     device: DeviceOption = "auto",
     speculate: Annotated[
         Optional[str],

@@ -11,6 +11,12 @@ ModelOption = Annotated[
     typer.Option("--model", "-m", help="HF model folder or .gguf file; default: embedded SmolLM2-135M-Instruct"),
 ]
 
+DtypeOption = Annotated[
+    Optional[str],
+    typer.Option(help="dtype of the weights and the KV: fp32, bf16 or auto (bf16 on a CPU with bf16 arithmetic, "
+                      "avx512_bf16 or AMX; else fp32); default: the checkpoint's"),
+]  # fmt: skip
+
 DeviceOption = Annotated[
     str,
     typer.Option(help="where the model runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda, cuda:N "

