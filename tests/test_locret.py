@@ -173,7 +173,8 @@ def saved_heads(model, trained, folder) -> str:
 
 
 def test_engine_outputs_equal_generate_with_the_same_cache(model, trained, tmp_path):
-    """Per request (one engine, several prompts) the engine's own-cache sequences give generate's tokens."""
+    """Per request and engine-wide, the engine's own-cache sequences give generate's tokens (prompts of several
+    chunks, run in the same steps)."""
     from kvopt.engine import LLM, SamplingParams
 
     spec = f"locret:ratio=0.5,window=4,chunk=24,heads={saved_heads(model, trained, tmp_path)}"
@@ -185,11 +186,13 @@ def test_engine_outputs_equal_generate_with_the_same_cache(model, trained, tmp_p
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=8,
                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
         expected.append(out[0, len(prompt) :].tolist())
-    llm = LLM(copy.deepcopy(model), tokenizer=None, kv_memory="4MB", max_num_batched_tokens=96)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, kv_method=spec)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [out.error for out in outputs] == [None] * 3
-    assert [out.outputs[0].token_ids for out in outputs] == expected
+    per_request = LLM(copy.deepcopy(model), tokenizer=None, kv_memory="4MB", max_num_batched_tokens=96)
+    engine_wide = LLM(copy.deepcopy(model), tokenizer=None, kv_method=spec, kv_memory="4MB", max_num_batched_tokens=96)
+    for llm, kv_method in ((per_request, spec), (engine_wide, None)):
+        params = SamplingParams(max_tokens=8, ignore_eos=True, kv_method=kv_method)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [out.error for out in outputs] == [None] * 3
+        assert [out.outputs[0].token_ids for out in outputs] == expected
 
 
 # -- bad input ----------------------------------------------------------------------------------------
