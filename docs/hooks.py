@@ -173,3 +173,11 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     return MARKER.sub(lambda m: GENERATED[m.group(1)](), markdown)
+
+
+SPHINX_ROLE = re.compile(r":(?:class|mod|func|meth|attr|data|obj|exc):(?=<code>)")
+
+
+def on_post_page(output, page, config):
+    """Docstrings name things Sphinx's way (:class:`X`); mkdocstrings renders the name as code and leaves the role."""
+    return SPHINX_ROLE.sub("", output)
