@@ -93,7 +93,7 @@ class Candidate:
     def evidence(self) -> str:
         if self.agreement is not None:
             return f"{self.agreement.cell()} answered as full"
-        return "the reference" if self.kept is None else f"{self.kept.cell()} of full's answers kept"
+        return "the reference" if self.kept is None else f"{self.kept.cell()} full answers kept"
 
     def speed(self) -> str:
         if self.decode_tok_s is None:
