@@ -211,6 +211,28 @@ def test_bytes_drop_to_the_budget_and_match_snapkv(tokenizer, tiny_with_tokenize
     assert epi.nbytes() <= held["snapkv:budget=300"].nbytes() < held["full"].nbytes() / 3
 
 
+@pytest.mark.parametrize("budgets", ["pyramid", "xkv"])
+def test_layers_share_the_budget_by_the_allocator(tokenizer, budgets):
+    """budgets=pyramid|xkv: each layer keeps what :mod:`kvopt.methods.budgets` allocates it (question included),
+    the same total as uniform; xkv reads measured curves (set here as a calibration would)."""
+    model = tiny(tokenizer, layers=4, kv_heads=2)
+    ids = conversation(tokenizer, depth=0.5)[:-1]
+    method = EpiCache(ratio=0.75, block=512, window=48, budgets=budgets, beta=4)
+    if budgets == "xkv":  # concave retention curves, one layer's attention far more spread than the others'
+        gains = torch.linspace(1, 0, 64, dtype=torch.float64)[None] ** torch.tensor([[1.0], [4.0], [8.0], [16.0]])
+        curves = torch.cat([torch.zeros(4, 1, dtype=torch.float64), gains.cumsum(-1)], -1)
+        method.retention = curves / curves[:, -1:]
+    cache = kvopt.cache([method], model)
+    cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
+    uniform = int(len(ids) * 0.25)
+    expected = [method.layer_budget(uniform, len(ids), index, 4) for index in range(4)]
+    assert [layer.store.positions.shape[-1] for layer in cache.layers] == expected
+    assert sum(expected) == 4 * uniform and len(set(expected)) > 1
+    uniform_cache = kvopt.cache("epicache:ratio=0.75,block=512,window=48", model)
+    uniform_cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
+    assert cache.nbytes() == uniform_cache.nbytes()
+
+
 # -- the engine -------------------------------------------------------------------------------------
 def generate_with_cache(model, tokenizer, spec: str, prompt: list[int], new_tokens: int = 8) -> list[int]:
     cache = kvopt.cache(spec, model)

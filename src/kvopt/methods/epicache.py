@@ -34,8 +34,10 @@ How this implementation chooses where the paper leaves a choice:
   computes them over the compressed past; peak memory while it runs is the full prompt's, as KVzip's.
   The patched prompt is at most ``patch`` tokens (its segments nearest the centroid first, the last one cut).
 - **Budgets**: ``budget`` (or ``ratio``) is the prompt's share per layer and KV head, question included, as
-  for SnapKV, so equal specs hold equal bytes (a question longer than the budget keeps its last tokens only). Per-layer budgets from a measured sensitivity (the paper's
-  section 4) are not applied: every layer gets the same budget.
+  for SnapKV, so equal specs hold equal bytes (a question longer than the budget keeps its last tokens only).
+  The layers share it by ``budgets=`` (:mod:`kvopt.methods.budgets`): ``uniform``, ``pyramid`` or ``xkv``, a
+  measured layer sensitivity as the paper's section 4 asks for, though XKV's (attention retention) rather than
+  the paper's own (key similarity under a block mask); the same total in every case.
 
 Limits: one sequence per cache (each conversation routes its own question); no sliding-window layers.
 """
@@ -49,6 +51,7 @@ import torch
 from kvopt.cache.storage import DenseKVStore
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
+from kvopt.methods.budgets import LayerBudgets
 from kvopt.methods.eviction import Eviction
 from kvopt.methods.kvzip import EXTRA, score_reconstruction
 from kvopt.models.forward import cache_kwargs
@@ -65,7 +68,7 @@ KMEANS_STARTS, KMEANS_SEED = 10, 42
 
 @register
 @dataclass
-class EpiCache(Eviction):
+class EpiCache(LayerBudgets):
     """Cluster the history into episodes; keep the question's episode, compressed by its patched prompt's attention."""
 
     name = "epicache"
@@ -109,21 +112,27 @@ class EpiCache(Eviction):
         ids = input_ids[0].tolist()
         plan = plan_conversation(ids, tokenizer, self.utterances, self.window)
         layers = cache.layers
-        target = int(self.targets(layers[0], None)[0])
-        for layer in layers[1:]:
-            self.targets(layer, None)  # every layer records its prompt share (later tokens add on top)
-        question = max(plan.question_start, len(ids) - target)  # a question over the budget keeps its end
-        budget = target - (len(ids) - question)
-        if question <= budget:
+        targets = self.layer_targets(layers, len(ids))
+        question = max(plan.question_start, len(ids) - min(targets))  # a question over the budget keeps its end
+        budgets = [target - (len(ids) - question) for target in targets]
+        if question <= min(budgets):
             return  # the whole history fits
         prompt = []
-        if budget:
+        if any(budgets):
             points = embed(model, [ids[start:stop] for start, stop in plan.segments] + [ids[question:]])
             labels, centroids = kmeans(points[:-1], min(self.episodes, len(plan.segments)))
             episode = route(points[-1], centroids)
             patched = patched_prompt(ids, plan.segments, points[:-1], labels, centroids, episode, self.medoids, self.patch)
             prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + patched
-        compress_blockwise(cache, model, ids, question, budget, prompt, self.block)
+        compress_blockwise(cache, model, ids, question, budgets, prompt, self.block)
+
+    def layer_targets(self, layers, tokens: int) -> list[int]:
+        """Prompt tokens each layer keeps (question included), shared by ``budgets=``; each layer records its equal
+        share (later tokens add on top of it)."""
+        shares = [int(Eviction.targets(self, layer, None)[0]) for layer in layers]
+        if self.budgets == "uniform":
+            return shares
+        return [self.layer_budget(share, tokens, index, len(layers)) for index, share in enumerate(shares)]
 
 
 @dataclass(frozen=True)
@@ -249,9 +258,11 @@ def patched_prompt(
     return [token for _, start, stop in sorted(chosen) for token in ids[start:stop]]
 
 
-def compress_blockwise(cache, model, ids: list[int], history: int, budget: int, prompt: list[int], block: int) -> None:
-    """Walk ``ids[:history]`` in blocks; keep per layer and KV head the ``budget`` tokens the patched ``prompt``
-    attends to most whenever the retained tokens plus the block exceed it; then hold them and the question."""
+def compress_blockwise(
+    cache, model, ids: list[int], history: int, budgets: list[int], prompt: list[int], block: int
+) -> None:  # fmt: skip
+    """Walk ``ids[:history]`` in blocks; keep per layer and KV head the ``budgets[layer]`` tokens the patched
+    ``prompt`` attends to most whenever the retained tokens plus the block exceed it; then hold them and the question."""
     layers = cache.layers
     full = [(layer.store.keys, layer.store.values) for layer in layers]
     heads, device = full[0][0].shape[1], full[0][0].device
@@ -260,8 +271,8 @@ def compress_blockwise(cache, model, ids: list[int], history: int, budget: int, 
         stop = min(start + block, history)
         fresh = torch.arange(start, stop, device=device).expand(heads, -1)
         kept = [torch.cat([held, fresh], dim=1) for held in kept]
-        if kept[0].shape[1] <= budget or not budget:
-            kept = [held[:, :budget] for held in kept]
+        if all(held.shape[1] <= budget or not budget for held, budget in zip(kept, budgets)):
+            kept = [held[:, :budget] for held, budget in zip(kept, budgets)]
             continue
         install(layers, full, kept, stop, scoring=True)
         fed = torch.as_tensor([prompt[: max(1, (cache.info.max_positions or len(ids)) - stop)]], device=device)
@@ -272,13 +283,16 @@ def compress_blockwise(cache, model, ids: list[int], history: int, budget: int, 
         finally:
             for layer in layers:
                 layer.scoring = None
-        kept = [best(layer.store.extra(EXTRA)[0], held, budget) for layer, held in zip(layers, kept)]
+        kept = [best(layer.store.extra(EXTRA)[0], held, budget) for layer, held, budget in zip(layers, kept, budgets)]
     question = torch.arange(history, len(ids), device=device).expand(heads, -1)
     install(layers, full, [torch.cat([held, question], dim=1) for held in kept], len(ids), scoring=False)
 
 
 def best(scores: torch.Tensor, held: torch.Tensor, budget: int) -> torch.Tensor:
-    """The ``budget`` positions of ``held [heads, tokens]`` with the highest ``scores``, per head, in order."""
+    """The ``budget`` positions of ``held [heads, tokens]`` with the highest ``scores``, per head, in order (all of
+    them when they fit)."""
+    if held.shape[1] <= budget:
+        return held
     return held.gather(1, scores.topk(budget, dim=-1).indices).sort(dim=-1).values
 
 
