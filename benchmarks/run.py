@@ -19,6 +19,7 @@ benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and fe
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import accelerator
 import both_models
 import codec
 import frontier
+import llamacpp
 import load
 import serving
 import speculative
@@ -83,7 +85,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
-    "frontier,twobit"
+    "frontier,twobit,llamacpp"
 )
 SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
@@ -245,6 +247,11 @@ def main() -> None:
     if "twobit" in steps:  # 2-bit KV: retrieval, perplexity, bytes and decode speed (benchmarks/results/twobit.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py"), *(["--model", args.model] if second else [])],
                        check=True)  # fmt: skip
+    if "llamacpp" in steps:  # llama.cpp alone and batched, kvopt.LLM beside it (benchmarks/results/llamacpp/rows.jsonl)
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("llamacpp step skipped: llama-cpp-python is not installed (see the llamacpp extra in pyproject.toml)")
+        else:
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp.py"), "--kvopt", "fp32,auto"], check=True)
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -497,7 +504,8 @@ def compose(args) -> None:
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
-             *committed_section(frontier), *committed_section(twobit), *committed_section(accelerator)]  # fmt: skip
+             *committed_section(frontier), *committed_section(twobit), *committed_section(llamacpp),
+             *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, report_dir)
     body, kept = report + "\n".join(extra), []

@@ -1,0 +1,433 @@
+"""llama.cpp as a peer on the default model: one request at a time, and many at once through its batched API.
+
+    python benchmarks/llamacpp.py                                  # both steps, every setting (hours on one thread)
+    python benchmarks/llamacpp.py --steps batched --parallel 16 --kvopt fp32,auto   # kvopt.LLM beside it
+    python benchmarks/llamacpp.py --lengths 512 --requests 2 --new-tokens 8 --parallel 2 --repeats 1 \\
+        --results /tmp/llamacpp                                    # a smoke run (a minute)
+
+What a CPU user runs: llama-cpp-python built from its sdist for this CPU (``pip install 'kvopt[llamacpp]'`` with
+``CMAKE_ARGS="-DGGML_NATIVE=ON ..."``, see pyproject.toml), driven through its C API as ``llama-server`` drives it.
+Weights: the default model's own GGUF (Q4_1, the file kvopt converts) and an F16 re-type of it (dequantized once
+with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and q8_0 (q8_0 needs flash attention).
+
+- ``single``: one request alone, prefill and decode tok/s at 512 / 2k / 8k-token prompts of local real text
+  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt).
+- ``batched``: the serving workload of ``benchmarks/serving.py`` (its prompts: 64 windows of 100-1,000 tokens of
+  local real text as token ids, 128 new tokens, greedy, EOS ignored) through llama-server's continuous batching: one
+  ``llama_batch`` per step carrying every running sequence's id, ``--parallel`` slots, each decoding sequence's
+  token first, then prompt chunks of waiting slots up to ``n_batch`` tokens; a finished sequence's KV is dropped and
+  its slot takes the next request. ``--kvopt fp32,auto`` runs kvopt.LLM on the same prompts in the same process
+  (rows side by side; ``same_as_kvopt`` counts requests whose tokens equal the first kvopt dtype's).
+
+Rows: ``benchmarks/results/llamacpp/rows.jsonl`` (``--results``); a run's rows replace those of the same setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import serving
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ROOT / "benchmarks" / "results" / "llamacpp" / "rows.jsonl"
+STEPS = ("single", "batched")
+#: The batched workload's prompts: benchmarks/serving.py's throughput step.
+SERVING_SEED, SERVING_LOW, SERVING_HIGH = 0, 100, 1000
+#: ggml's error level: llama.cpp's info and warnings (one line per tensor at load) are dropped.
+GGML_LOG_LEVEL_ERROR = 4
+#: Fields that name what a row measured (a new row replaces an old one with the same values).
+SETTING = ("step", "system", "weights", "kv", "length", "parallel", "requests", "new_tokens")
+
+
+def bindings():
+    """The llama-cpp-python bindings, or one line saying how to install them."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "llama-cpp-python is not installed; build it for this CPU: CMAKE_ARGS=\"-DGGML_NATIVE=ON "
+            "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF\" pip install --no-binary "
+            "llama-cpp-python 'kvopt[llamacpp]'"
+        ) from None
+    return llama_cpp
+
+
+# -- the weights ------------------------------------------------------------------------------
+def weight_files(names: list[str]) -> dict[str, Path]:
+    """``Q4_1``: the default model's GGUF; ``F16``: its re-type (written once)."""
+    from kvopt.models.loading import default_gguf_path
+
+    original = default_gguf_path()
+    files = {"Q4_1": original, "F16": lambda: f16_copy(original)}
+    unknown = set(names) - set(files)
+    if unknown:
+        raise SystemExit(f"unknown --weights {sorted(unknown)}; choose from {','.join(files)}")
+    return {name: files[name]() if callable(files[name]) else files[name] for name in names}
+
+
+def f16_copy(source: Path) -> Path:
+    """``source`` with every quantized tensor dequantized to F16 (F32 tensors stay), beside kvopt's converted
+    models; metadata copied, file type MOSTLY_F16. Written under the conversion lock, renamed into place whole."""
+    import gguf
+
+    from kvopt.models.loading import cache_dir, conversion_lock
+    from kvopt.paths import writable_folder
+
+    folder = writable_folder(cache_dir() / "gguf", "KVOPT_CACHE")
+    target = folder / f"{source.stem.rsplit('.', 1)[0]}.F16.gguf"
+    if target.is_file():
+        return target
+    with conversion_lock(folder):
+        if target.is_file():
+            return target
+        reader = gguf.GGUFReader(source)
+        staging = target.with_suffix(".partial")
+        writer = gguf.GGUFWriter(staging, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+        for entry in reader.fields.values():
+            if entry.name == gguf.Keys.General.ARCHITECTURE or entry.name.startswith("GGUF."):
+                continue  # written by GGUFWriter itself
+            if entry.name == gguf.Keys.General.FILE_TYPE:
+                writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+                continue
+            kind = entry.types[0]
+            writer.add_key_value(entry.name, entry.contents(), kind,
+                                 sub_type=entry.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+        for tensor in reader.tensors:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, values if tensor.tensor_type == gguf.GGMLQuantizationType.F32
+                              else values.astype(np.float16))  # fmt: skip
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        staging.rename(target)
+    return target
+
+
+# -- llama.cpp through its C API ---------------------------------------------------------------
+@dataclass
+class Options:
+    """Context settings shared by every run (llama-server's defaults for the batch sizes)."""
+
+    threads: int = 1
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    flash_attn: str = "auto"
+
+
+class Context:
+    """One llama.cpp context over loaded weights: a unified KV cache of ``n_ctx`` cells for ``n_seq`` sequences,
+    one ``llama_batch`` of up to ``n_batch`` tokens reused every step, greedy choices read from its logits."""
+
+    def __init__(self, lib, model, n_ctx: int, n_seq: int, kv: str, options: Options) -> None:
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, n_seq, True
+        params.n_batch, params.n_ubatch = options.n_batch, options.n_ubatch
+        params.n_threads = params.n_threads_batch = options.threads
+        params.type_k = params.type_v = {"f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0}[kv]
+        params.flash_attn_type = flash_attention(lib, options.flash_attn, kv)
+        params.no_perf = True
+        self.lib, self.n_batch = lib, options.n_batch
+        self.ctx = lib.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens with {kv} KV "
+                               "(see its error above)")  # fmt: skip
+        self.batch = lib.llama_batch_init(options.n_batch, 0, 1)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        view = lambda pointer: np.ctypeslib.as_array(pointer, shape=(options.n_batch,))  # noqa: E731
+        self.tokens, self.positions = view(self.batch.token), view(self.batch.pos)
+        self.seq_counts, self.wants_logits = view(self.batch.n_seq_id), view(self.batch.logits)
+        self.seq_slots = [self.batch.seq_id[index] for index in range(options.n_batch)]
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> None:
+        """Compute one batch: token ``i`` at ``positions[i]`` of sequence ``seqs[i]``; logits kept where asked."""
+        count = len(tokens)
+        self.tokens[:count], self.positions[:count], self.wants_logits[:count] = tokens, positions, logits
+        self.seq_counts[:count] = 1
+        for slot, seq in zip(self.seq_slots, seqs):
+            slot[0] = seq
+        self.batch.n_tokens = count
+        code = self.lib.llama_decode(self.ctx, self.batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code} for a batch of {count} tokens (1: no KV cell left)")
+
+    def argmax(self, index: int) -> int:
+        """The greedy choice at batch entry ``index`` (which asked for logits)."""
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def forget(self, seq: int) -> None:
+        """Drop every KV cell of ``seq`` (a slot handed to the next request)."""
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), seq, -1, -1)
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+def flash_attention(lib, choice: str, kv: str) -> int:
+    """llama.cpp's flash-attention setting: ``auto`` lets it decide (llama-server's default) but for a quantized V
+    cache, which runs only with flash attention."""
+    if choice == "off" and kv != "f16":
+        raise SystemExit(f"a {kv} KV cache needs flash attention; drop --flash-attn off or use --kv f16")
+    if choice == "on" or kv != "f16":
+        return lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    return lib.LLAMA_FLASH_ATTN_TYPE_AUTO if choice == "auto" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+_LOGGER = None  # the ctypes callback must outlive every llama.cpp call
+
+
+def load_weights(lib, path: Path):
+    """llama.cpp's model on the CPU (mmapped, as llama-server loads it); only its errors are printed."""
+    global _LOGGER
+    if _LOGGER is None:
+        lib.llama_backend_init()
+        _LOGGER = lib.llama_log_callback(
+            lambda level, text, _: print(text.decode(errors="replace"), end="") if level == GGML_LOG_LEVEL_ERROR else None
+        )
+        lib.llama_log_set(_LOGGER, None)
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path} (see its error above)")
+    return model
+
+
+# -- single request ----------------------------------------------------------------------------
+def prefill(context: Context, prompt: list[int]) -> int:
+    """Compute ``prompt`` as sequence 0 in chunks of ``n_batch``; the greedy next token after it."""
+    for start in range(0, len(prompt), context.n_batch):
+        chunk = prompt[start : start + context.n_batch]
+        last = start + len(chunk) == len(prompt)
+        context.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
+                       [False] * (len(chunk) - 1) + [last])  # fmt: skip
+    return context.argmax(len(chunk) - 1)
+
+
+def single(args, lib, tokenizer) -> list[dict]:
+    rows = []
+    for name, path in weight_files(args.weights.split(",")).items():
+        model = load_weights(lib, path)
+        for kv in args.kv.split(","):
+            for length in _ints(args.lengths):
+                (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
+                context = Context(lib, model, length + args.new_tokens, 1, kv, args.options)
+                prefills, decodes = [], []
+                for _ in range(args.repeats):
+                    context.forget(0)
+                    start = time.perf_counter()
+                    token = prefill(context, prompt)
+                    prefills.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    for step in range(args.new_tokens):
+                        context.decode([token], [length + step], [0], [True])
+                        token = context.argmax(0)
+                    decodes.append(time.perf_counter() - start)
+                context.close()
+                rows.append(_row(args, "single", name, kv) | {
+                    "length": length, "repeats": args.repeats,
+                    "prefill_tok_s": length / statistics.median(prefills),
+                    "decode_tok_s": args.new_tokens / statistics.median(decodes),
+                })  # fmt: skip
+                print(json.dumps(rows[-1]))
+        lib.llama_model_free(model)
+    return rows
+
+
+# -- many requests: llama-server's continuous batching ----------------------------------------
+@dataclass
+class Slot:
+    """A running request: its prompt tokens computed so far and its output."""
+
+    request: int
+    computed: int = 0
+    output: list[int] = field(default_factory=list)
+
+
+def continuous_batching(context: Context, prompts: list[list[int]], new_tokens: int, parallel: int) -> list[list[int]]:
+    """Greedy ``new_tokens`` for every prompt, ``parallel`` sequences at a time, one ``llama_decode`` per step
+    (llama-server's ``update_slots``: decoding slots' tokens first, then prompt chunks up to ``n_batch``)."""
+    waiting, free, running = deque(range(len(prompts))), list(range(parallel - 1, -1, -1)), {}
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while waiting or running:
+        while waiting and free:
+            running[free.pop()] = Slot(waiting.popleft())
+        tokens, positions, seqs, logits, samples = [], [], [], [], []
+        for seq, slot in running.items():
+            prompt = prompts[slot.request]
+            if slot.computed == len(prompt):
+                samples.append((len(tokens), seq))
+                tokens.append(slot.output[-1])
+                positions.append(len(prompt) + len(slot.output) - 1)
+                seqs.append(seq)
+                logits.append(True)
+        for seq, slot in running.items():
+            prompt, room = prompts[slot.request], context.n_batch - len(tokens)
+            if slot.computed == len(prompt) or room == 0:
+                continue
+            take = min(room, len(prompt) - slot.computed)
+            tokens += prompt[slot.computed : slot.computed + take]
+            positions += range(slot.computed, slot.computed + take)
+            seqs += [seq] * take
+            slot.computed += take
+            logits += [False] * (take - 1) + [slot.computed == len(prompt)]
+            if slot.computed == len(prompt):
+                samples.append((len(tokens) - 1, seq))
+        context.decode(tokens, positions, seqs, logits)
+        for index, seq in samples:
+            slot = running[seq]
+            slot.output.append(context.argmax(index))
+            if len(slot.output) == new_tokens:
+                outputs[slot.request] = slot.output
+                context.forget(seq)
+                free.append(seq)
+                del running[seq]
+    return outputs
+
+
+def batched(args, lib, tokenizer) -> list[dict]:
+    prompts = serving.real_prompts(tokenizer, args.requests, SERVING_LOW, SERVING_HIGH, seed=SERVING_SEED)
+    base = {"requests": len(prompts), "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts))}
+    rows, reference = [], None
+    for dtype in filter(None, args.kvopt.split(",")):
+        row, tokens = kvopt_run(prompts, args.new_tokens, dtype, args)
+        reference = reference or (row["system"], tokens)
+        rows.append(base | row)
+        print(json.dumps(rows[-1]))
+    longest = max(map(len, prompts)) + args.new_tokens
+    for name, path in weight_files(args.weights.split(",")).items():
+        model = load_weights(lib, path)
+        for kv in args.kv.split(","):
+            for parallel in _ints(args.parallel):
+                parallel = min(parallel, len(prompts))
+                context = Context(lib, model, parallel * longest, parallel, kv, args.options)
+                start = time.perf_counter()
+                outputs = continuous_batching(context, prompts, args.new_tokens, parallel)
+                seconds = time.perf_counter() - start
+                context.close()
+                row = _row(args, "batched", name, kv) | base | {"parallel": parallel, "seconds": seconds,
+                                                                "tok_s": len(prompts) * args.new_tokens / seconds}  # fmt: skip
+                if reference:
+                    row |= {"compared_with": reference[0], "same_as_kvopt": sum(a == b for a, b in zip(outputs, reference[1]))}
+                rows.append(row)
+                print(json.dumps(rows[-1]))
+        lib.llama_model_free(model)
+    return rows
+
+
+def kvopt_run(prompts: list[list[int]], new_tokens: int, dtype: str, args) -> tuple[dict, list[list[int]]]:
+    """kvopt.LLM on the same prompts (greedy, EOS ignored): its row and tokens."""
+    from kvopt.engine import LLM
+
+    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, dtype=dtype)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, serving.greedy(new_tokens), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    row = {"step": "batched", "system": f"kvopt.LLM {dtype}", "weights": str(llm.engine.dtype).removeprefix("torch."),
+           "kv": str(llm.engine.dtype).removeprefix("torch."), "parallel": args.max_num_seqs, "seconds": seconds,
+           "tok_s": len(prompts) * new_tokens / seconds, "pool_bytes": llm.engine.runner.pool.nbytes(),
+           "threads": torch.get_num_threads(), "conditions": args.conditions}  # fmt: skip
+    return row, [out.outputs[0].token_ids for out in outputs]
+
+
+def _row(args, step: str, weights: str, kv: str) -> dict:
+    import llama_cpp
+
+    options = args.options
+    return {"step": step, "system": "llama.cpp", "weights": weights, "kv": kv, "new_tokens": args.new_tokens,
+            "threads": options.threads, "n_batch": options.n_batch, "n_ubatch": options.n_ubatch,
+            "flash_attn": "on" if kv != "f16" else options.flash_attn, "llama_cpp_python": llama_cpp.__version__,
+            "conditions": args.conditions}  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(value) for value in text.split(",")]
+
+
+def save(path: Path, rows: list[dict]) -> None:
+    """Merge ``rows`` into ``path``: each replaces an older row of the same setting (:data:`SETTING`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    measured = {tuple(row.get(key) for key in SETTING) for row in rows}
+    kept = [row for row in old if tuple(row.get(key) for key in SETTING) not in measured]
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*kept, *rows]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--weights", default="Q4_1,F16", help="Q4_1 (the default model's GGUF) and/or F16 (its re-type)")
+    parser.add_argument("--kv", default="f16,q8_0", help="llama.cpp's KV cache types")
+    parser.add_argument("--lengths", default="512,2048,8128", help="single: prompt tokens (8128 + 64 new = 8k positions)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single), 128 (batched, as serving.py)")
+    parser.add_argument("--repeats", type=int, default=3, help="single: runs per setting (median)")
+    parser.add_argument("--requests", type=int, default=64, help="batched: requests (serving.py's prompts)")
+    parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
+    parser.add_argument("--kvopt", default="", help="batched: also kvopt.LLM in these dtypes, e.g. fp32,auto")
+    parser.add_argument("--kv-memory", default="2GB", help="kvopt.LLM's pool (as serving.py)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="kvopt.LLM's sequences at once (as serving.py)")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (and torch's for kvopt)")
+    parser.add_argument("--n-batch", type=int, default=2048)
+    parser.add_argument("--n-ubatch", type=int, default=512)
+    parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
+    parser.add_argument("--results", type=Path, default=ROWS.parent, help="rows folder")
+    args = parser.parse_args()
+    steps = args.steps.split(",")
+    if set(steps) - set(STEPS):
+        parser.error(f"unknown steps {sorted(set(steps) - set(STEPS))}; choose from {','.join(STEPS)}")
+    args.options = Options(args.threads, args.n_batch, args.n_ubatch, args.flash_attn)
+    torch.set_num_threads(args.threads)
+    lib = bindings()
+    from kvopt.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    new_tokens = args.new_tokens
+    for step in steps:
+        args.new_tokens = new_tokens or {"single": 64, "batched": 128}[step]
+        save(args.results / ROWS.name, globals()[step](args, lib, tokenizer))
+
+
+# -- the BENCHMARKS.md section ------------------------------------------------------------------
+def render(rows: list[dict]) -> str:
+    """Markdown for the committed rows (``committed_section`` in benchmarks/run.py)."""
+    threads = "/".join(str(count) for count in sorted({row["threads"] for row in rows}))
+    lines = [f"## llama.cpp as a peer (llama-cpp-python, {threads} thread(s))", "",
+             "Rows: `benchmarks/results/llamacpp/rows.jsonl`, made by `python benchmarks/llamacpp.py`. Weights: the "
+             "default model's GGUF (Q4_1) and an F16 re-type of it; prompts of local real text as token ids, greedy, "
+             "EOS ignored.", ""]  # fmt: skip
+    singles = [row for row in rows if row["step"] == "single"]
+    if singles:
+        lines += ["### One request at a time", "", "| weights | KV | prompt tokens | prefill tok/s | decode tok/s |",
+                  "|---|---|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['weights']} | {r['kv']} | {r['length']:,} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} |"
+                  for r in sorted(singles, key=lambda r: (r["weights"], r["kv"], r["length"]))]  # fmt: skip
+        lines.append("")
+    many = [row for row in rows if row["step"] == "batched"]
+    if many:
+        first = many[0]
+        lines += [f"### {first['requests']} requests ({first['prompt_tokens']:,} prompt tokens), {first['new_tokens']} "
+                  "new tokens each", "",
+                  "llama.cpp: continuous batching as llama-server does it (`parallel` slots); kvopt.LLM: the engine "
+                  "with `max_num_seqs` as `parallel`, same prompts, same process.", "",
+                  "| system | weights | KV | parallel | wall time | output tok/s | same tokens as |", "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+        for r in many:
+            same = f"{r['same_as_kvopt']}/{r['requests']} `{r['compared_with']}`" if "same_as_kvopt" in r else "–"
+            lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
+                         f"{r['tok_s']:.1f} | {same} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
