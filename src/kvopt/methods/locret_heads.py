@@ -185,12 +185,13 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
           sequence: int | None = None) -> TrainedHeads:  # fmt: skip
     """Train heads for ``model`` on ``ids [N]``, resuming from (and saving after every sequence to) ``checkpoint``.
 
-    Sequences are ``sequence`` tokens (default :data:`SEQUENCE`, fewer when ``ids`` would not make three), their
-    last quarter at most the answer.
+    Sequences are ``sequence`` tokens (default :data:`SEQUENCE`, fewer when ``ids`` would not make three or the
+    model's context is shorter), their last quarter at most the answer.
 
     ``progress(done, total)`` is called after every training sequence (resumed ones counted as done).
     """
-    sequence = sequence or min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1))
+    info = ModelInfo.from_config(model.config)
+    sequence = sequence or min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1), info.max_positions or SEQUENCE)
     answer = min(ANSWER, sequence // 4)
     pieces = sequences(ids.reshape(-1).to(next(model.parameters()).device), sequence)
     if len(pieces) < MIN_SEQUENCES + 1 or answer < 4:
@@ -200,7 +201,6 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
         )
     held_out = max(1, len(pieces) // 10)
     training, validation = pieces[:-held_out], pieces[-held_out:]
-    info = ModelInfo.from_config(model.config)
     width = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
     torch.manual_seed(0)
     heads = RetainingHeads(info.num_layers, width, info.num_kv_heads).to(pieces[0].device)
@@ -395,7 +395,7 @@ def train_for_model(model, text: Callable[[], str], tokens: int | None = None,
     ids = text_ids(model, prose, tokens or TRAIN_TOKENS)
     source = real_text()[1] if prose == real_text()[0] else "the caller's text"
     partial = path.with_suffix(".partial")
-    trained = train(model, ids, partial, source, progress, sequence=min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1)))
+    trained = train(model, ids, partial, source, progress)
     save(path, trained, model_fingerprint(model))
     partial.unlink(missing_ok=True)
     trained.path = path
@@ -418,5 +418,5 @@ def cached_or_trained(model, text: Callable[[], str], notice: Callable[[str], No
         found = damage or "locret: no retaining heads are trained for this model yet"
         raise MethodParameterError(f"{found}; training takes minutes: run `{train_command(model)}` once")
     notice(f"kvopt: {damage}; training them again" if damage else
-           f"kvopt: training locret's retaining heads for this model once into {folder} (seconds)")  # fmt: skip
+           f"kvopt: training locret's retaining heads for this model once into {folder} (under a minute)")  # fmt: skip
     return train_for_model(model, text)
