@@ -157,6 +157,11 @@ def test_engine_equals_generate_in_bf16(arch):
     assert same >= 0.8 * len(prompts)
 
 
+def test_a_loaded_model_refuses_a_dtype():
+    with pytest.raises(KVOptError, match="dtype='bf16' applies to a model loaded by name"):
+        LLM(tiny_model("llama"), dtype="bf16", kv_memory="4MB")
+
+
 def test_bf16_holds_half_the_bytes():
     """Same ``kv_memory``: a bf16 pool has twice the blocks of an fp32 one; a bf16 ``full`` cache holds half the
     bytes of an fp32 one after the same prompt."""

@@ -29,7 +29,9 @@ class LLM:
 
     ``model`` is a name or path understood by :func:`kvopt.load_model`, or an already loaded HF
     model (then pass its ``tokenizer``, or give prompts as token ids). ``device`` places a model loaded by name
-    (``auto``: a CUDA GPU when there is one); a loaded model stays where it is.
+    (``auto``: a CUDA GPU when there is one); a loaded model stays where it is. ``dtype`` (``fp32``, ``bf16``, or
+    ``auto``: bf16 on a CPU with bf16 arithmetic, else fp32) is a model loaded by name's; the KV pool takes the
+    model's dtype.
 
     ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"chunks": [doc_a, doc_b], "prompt": question}``
     (documents as text or token ids): each document's KV is computed once, kept by content (and in ``kv_tiers``), and
@@ -47,6 +49,9 @@ class LLM:
             from kvopt.api import load_model
 
             model, tokenizer = load_model(model, dtype=dtype, device=device)
+        elif dtype is not None:  # a loaded model runs in its own dtype: silently ignoring the setting would mislead
+            raise EngineConfigError(f"dtype={dtype!r} applies to a model loaded by name; convert a loaded model "
+                                    "itself (model.to(torch.bfloat16)) or pass its name or path")  # fmt: skip
         _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
         if enable_chunk_caching:
