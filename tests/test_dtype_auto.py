@@ -69,7 +69,7 @@ def test_flags_are_read_from_cpuinfo(tmp_path, monkeypatch):
 
 def test_an_emulated_dtype_is_honoured_with_one_warning(flags):
     flags(AVX2_ONLY)
-    with pytest.warns(UserWarning, match=r"running in torch.bfloat16 on a CPU without .*avx512_bf16.*auto picks float32"):
+    with pytest.warns(UserWarning, match=r"running in bfloat16 on a CPU without .*avx512_bf16.*auto picks float32"):
         assert model_dtype("bf16", CPU) == torch.bfloat16
     flags(ZEN4)
     with warnings.catch_warnings():
@@ -80,7 +80,7 @@ def test_an_emulated_dtype_is_honoured_with_one_warning(flags):
 
 
 @pytest.mark.parametrize("name, message", [("fp64", "unknown dtype 'fp64'; use --dtype fp32, bf16 or auto"),
-                                           ("fp8", "cannot run in torch.float8_e4m3fn"),
+                                           ("fp8", "cannot run in float8_e4m3fn"),
                                            ("AUTO", "unknown dtype 'AUTO'")])  # fmt: skip
 def test_bad_dtypes_fail_in_one_line(name, message):
     with pytest.raises(KVOptError, match=message) as error:

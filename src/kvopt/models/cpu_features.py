@@ -59,7 +59,7 @@ def check_model_dtype(requested: str | torch.dtype | None) -> str | torch.dtype 
     except KVOptError:
         raise KVOptError(f"unknown dtype {requested!r}; use --dtype fp32, bf16 or auto") from None
     if dtype not in MODEL_DTYPES:
-        raise KVOptError(f"a model cannot run in {dtype} (a KV storage dtype); use --dtype fp32, bf16 or auto")
+        raise KVOptError(f"a model cannot run in {_name(dtype)} (a KV storage dtype); use --dtype fp32, bf16 or auto")
     return dtype
 
 
@@ -78,9 +78,13 @@ def model_dtype(requested: str | torch.dtype | None, device: torch.device | None
             return None
         return torch.bfloat16 if native_on_cpu(torch.bfloat16) else torch.float32
     if requested is not None and on_cpu and not native_on_cpu(requested):
-        wanted = " or ".join(sorted(NATIVE_FLAGS[requested]))
+        wanted, name = " or ".join(sorted(NATIVE_FLAGS[requested])), _name(requested)
         warnings.warn(
-            f"kvopt: running in {requested} on a CPU without {requested} arithmetic (no {wanted} flag): torch "
-            "emulates it, slower than float32; --dtype auto picks float32 here", stacklevel=3,
+            f"kvopt: running in {name} on a CPU without {name} arithmetic (no {wanted} flag): torch emulates it, "
+            "slower than float32; --dtype auto picks float32 here", stacklevel=3,
         )  # fmt: skip
     return requested
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
