@@ -39,7 +39,11 @@ How this implementation chooses where the paper leaves a choice:
   measured layer sensitivity as the paper's section 4 asks for, though XKV's (attention retention) rather than
   the paper's own (key similarity under a block mask); the same total in every case.
 
-Limits: one sequence per cache (each conversation routes its own question); no sliding-window layers.
+Limits: one sequence per cache (each conversation routes its own question); no sliding-window layers. The
+question must be in the prompt: ``kvopt eval --mode query_aware`` (a query-agnostic run compresses the context
+before the question exists, and the last ``window`` tokens of the context would be routed instead). Episodes are
+not kept across turns of ``kvopt chat --session`` yet: a session's cache keeps its first question's episode and
+grows with the later turns (they are not routed again).
 """
 
 from __future__ import annotations
