@@ -28,7 +28,7 @@ DEFAULT_MODEL = "smollm2-135m"
 #: The recipes the capacity step compares (kvzip's ranking and kivi do not compose: kivi quantizes during the prefill
 #: that kvzip needs whole).
 CAPACITY_METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75", "snapkv:ratio=0.75+kivi:bits=4", "kvzip:ratio=0.75",
-                    "aquakv:bits=2", "rocketkv:budget=512", "minicache+kivi:bits=4")
+                    "kvzip:ratio=0.75+kivi:bits=4", "aquakv:bits=2", "rocketkv:budget=512", "minicache+kivi:bits=4")
 
 
 def real_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:

@@ -129,3 +129,37 @@ def test_kvzip_needs_tokenizer(tiny_with_tokenizer):
     cache = kvopt.cache("kvzip:ratio=0.5", model)
     with pytest.raises(CacheUsageError, match="tokenizer"):
         cache.prefill(model, torch.randint(100, 500, (1, 40)))
+
+
+def test_kivi_after_kvzip_quantizes_the_kept_rows_per_token(tiny_with_tokenizer):
+    """kvzip selects at full precision (kivi waits for its pass), then kivi packs the same rows: against a slow
+    reference (the rows quantized and dequantized by hand, attended as plain ragged rows), and for real bytes."""
+    model, tokenizer = tiny_with_tokenizer
+    context = torch.randint(100, 5000, (1, 300), generator=torch.Generator().manual_seed(3))
+    alone, both = kvopt.cache("kvzip:ratio=0.75", model), kvopt.cache("kvzip:ratio=0.75+kivi:bits=4,group=16", model)
+    for cache in (alone, both):
+        cache.prefill(model, context, tokenizer=tokenizer)
+    query = torch.randn(1, model.config.num_attention_heads, 1, 8)
+    for plain, packed in zip(alone.layers, both.layers):
+        rows, codes = plain.parts_of(RaggedKV)[0], packed.parts_of(RaggedKV)[0]
+        assert torch.equal(rows.positions, codes.positions) and torch.equal(rows.offsets, codes.offsets)
+        by_hand = []
+        for held in (rows.keys, rows.values):  # per token, groups of 16 channels (at most), 4 bits, fp16 scale, zero
+            groups = held.unflatten(-1, (-1, min(16, held.shape[-1])))
+            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+            step, zero = ((high - low) / 15).half().float(), low.half().float()
+            by_hand.append((torch.round((groups - zero) / step).clamp(0, 15) * step + zero).flatten(-2))
+        reference = RaggedKV(*by_hand, rows.positions, rows.offsets, rows.batch, rows.kv_heads)
+        position = torch.tensor([300])
+        for got, want in zip(codes.attend(query, position, 0.35), reference.attend(query, position, 0.35)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert both.nbytes() < 0.4 * alone.nbytes()
+
+
+def test_kvzip_waits_for_nothing_from_kivi_before_its_pass(tiny_with_tokenizer):
+    """kivi leaves the prompt dense until kvzip's pass (which needs it at full precision) has run."""
+    model, _ = tiny_with_tokenizer
+    cache = kvopt.cache("kvzip:ratio=0.75+kivi:bits=4,group=16,residual=16", model)
+    with torch.no_grad():
+        model(torch.randint(100, 5000, (1, 64)), past_key_values=cache)
+    assert all(not layer.parts and len(layer.store) == 64 for layer in cache.layers)

@@ -6,6 +6,10 @@ flat ``[tokens, dim]`` tensors with offsets (the varlen layout of FlashAttention
 attention runs segment by segment. A ragged prefix is immutable: tokens that arrive later
 go to the layer's dense store, and the two attention results are merged exactly through
 their log-sum-exp.
+
+The rows may also be held quantized (:meth:`RaggedKV.quantized`: kivi after kvzip): keys and
+values per token in groups of channels, since a segment's tokens do not line up in groups
+across heads; each segment is dequantized when attention reads it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvopt.cache import quant
 from kvopt.cache.attention_math import attention_with_lse, visibility
 from kvopt.cache.part import tensor_bytes
+from kvopt.cache.quant import QuantizedGroups
+
+#: Rows of a ragged part: ``[tokens, dim]`` at full precision, or quantized per token (``[tokens, dim / G, G]``).
+Rows = torch.Tensor | QuantizedGroups
 
 
 @dataclass
@@ -25,8 +34,8 @@ class RaggedKV:
     kind = "ragged tokens (head-wise budgets: adakv, kvzip)"
     read_order = 0
 
-    keys: torch.Tensor  # [tokens, key_dim]
-    values: torch.Tensor  # [tokens, value_dim]
+    keys: Rows  # [tokens, key_dim]
+    values: Rows  # [tokens, value_dim]
     positions: torch.Tensor  # [tokens] int32 sequence indices
     offsets: torch.Tensor  # [batch * kv_heads + 1] int64, segment (b, h) is offsets[b*H+h] : offsets[b*H+h+1]
     batch: int
@@ -47,9 +56,17 @@ class RaggedKV:
         offsets[1:] = torch.tensor(lengths, device="cpu").cumsum(0)
         return cls(torch.cat(parts_k), torch.cat(parts_v), torch.cat(parts_p), offsets, batch, heads)
 
+    def quantized(self, bits: int, group: int) -> RaggedKV:
+        """The same segments with keys and values quantized per token, in groups of ``group`` channels."""
+        def encode(rows: torch.Tensor) -> QuantizedGroups:
+            return quant.quantize(rows.unflatten(-1, (-1, min(group, rows.shape[-1]))), bits)
+
+        return RaggedKV(encode(self.keys), encode(self.values), self.positions, self.offsets, self.batch, self.kv_heads)
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this part holds for its sequence (what nbytes counts)."""
-        return [self.keys, self.values, self.positions, self.offsets]
+        rows = [t for held in (self.keys, self.values) for t in (held.tensors() if isinstance(held, QuantizedGroups) else [held])]
+        return [*rows, self.positions, self.offsets]
 
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors())
@@ -70,7 +87,7 @@ class RaggedKV:
         ``(output [B, H_q, q, D], lse [B, H_q, q])``, fp32; soft-capped and windowed as the dense store attends."""
         batch, heads, q_len, _ = query.shape
         group = heads // self.kv_heads
-        output = query.new_zeros(batch, heads, q_len, self.values.shape[-1], dtype=torch.float32)
+        output = query.new_zeros(batch, heads, q_len, _width(self.values), dtype=torch.float32)
         lse = torch.full((batch, heads, q_len), float("-inf"), dtype=torch.float32, device=query.device)
         bounds = self.offsets.tolist()
         for segment in range(self.batch * self.kv_heads):
@@ -81,10 +98,24 @@ class RaggedKV:
             heads_of_group = slice(h * group, (h + 1) * group)
             row_positions = query_positions if query_positions.ndim == 1 else query_positions[b]
             mask = visibility(self.positions[None, None, start:end], None, row_positions, sliding_window)
-            keys, values = self.keys[None, None, start:end], self.values[None, None, start:end]
+            keys, values = (_read(held, start, end, query.dtype)[None, None] for held in (self.keys, self.values))
             segment_output, segment_lse = attention_with_lse(
                 query[b : b + 1, heads_of_group], keys, values, mask, scaling, softcap
             )
             output[b, heads_of_group] = segment_output[0]
             lse[b, heads_of_group] = segment_lse[0]
         return output, lse
+
+
+def _read(rows: Rows, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``start:end`` at full precision (quantized rows dequantized)."""
+    if isinstance(rows, torch.Tensor):
+        return rows[start:end]
+    return quant.dequantize(rows.select(0, start, end), dtype).flatten(-2)
+
+
+def _width(rows: Rows) -> int:
+    """Channels of each row."""
+    if isinstance(rows, torch.Tensor):
+        return rows.shape[-1]
+    return rows.scale.shape[-2] * rows.codes.shape[-1] * 8 // rows.bits

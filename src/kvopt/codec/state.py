@@ -52,9 +52,10 @@ class Dumper:
         self.depth = 0.0
 
     def layer(self, layer, index: int) -> dict:
-        for attribute, action in (("speculation", "commit the speculative block"), ("scoring", "let kvzip finish")):
-            if getattr(layer, attribute) is not None:
-                raise CacheUsageError(f"cannot save layer {index} while its {attribute} is open; {action} first")
+        if layer.mode is not None:
+            raise CacheUsageError(f"cannot save layer {index} during {layer.mode.purpose}; let it finish first")
+        if layer.scoring is not None:
+            raise CacheUsageError(f"cannot save layer {index} while its scoring is open; let kvzip finish first")
         if layer.recorded_prefill is not None:
             raise CacheUsageError("a recording cache (record_prefill) cannot be saved; save the cache that replays it")
         self.depth = index / self.layers

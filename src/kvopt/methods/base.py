@@ -52,6 +52,12 @@ class Method:
     #: True when the method acts after the prefill with the prompt's token ids in hand (KVzip's
     #: reconstruction); callers then prefill through :meth:`KVCache.prefill`.
     needs_prefill_pass: ClassVar[bool] = False
+    #: True for a method that moves tokens (a quantizer) but may share a spec with one that needs the prefill pass:
+    #: it leaves the prompt at full precision until that pass is done, then acts on what the pass kept (kivi).
+    waits_for_prompt_pass: ClassVar[bool] = False
+    #: True when the method compresses every layer together once the prefill's last layer has scored (lava): a
+    #: method that moves a layer's tokens as soon as the layer is computed would take them from under it.
+    ranks_layers_together: ClassVar[bool] = False
     #: True when the method changes the prefill's forward itself (FastKV passes only selected tokens to the
     #: later layers), so a recorded lossless prefill cannot stand for it (:meth:`KVCache.replay_prefill`).
     shapes_prefill: ClassVar[bool] = False

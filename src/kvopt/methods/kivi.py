@@ -12,15 +12,25 @@ byte), scales and zero-points are fp16, and attention dequantizes block by block
 Deviations: values follow the keys' schedule (KIVI keeps exactly the last R values in full
 precision and quantizes one token per step). The full-precision part stays in the model's
 dtype. Sliding-window layers are left in full precision (their window bounds them).
-Compose after prefill-time eviction: ``snapkv:ratio=0.75+kivi:bits=4``.
+Compose after prefill-time eviction: ``snapkv:ratio=0.75+kivi:bits=4``. After head-wise budgets
+(``adakv``, ``kvzip``: heads keep different tokens) the kept rows are quantized per token, keys
+included (a head's tokens do not line up in groups with the other heads'); with kvzip, kivi waits
+for its reconstruction pass, which needs the prompt at full precision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from kvopt.cache.ragged import RaggedKV
 from kvopt.methods.base import register
-from kvopt.methods.quantization import Quantization
+from kvopt.methods.quantization import Quantization, packed_bytes, position_bytes
+from kvopt.methods.spec import storage
+
+#: A layer's kivi state once the spec's prefill pass has run (kivi then quantizes as usual).
+PASS_DONE = "after the prefill pass"
 
 
 @register
@@ -50,5 +60,39 @@ class KIVI(Quantization):
             return None  # left in full precision
         return max(1, max(self.residual, self.group) - len(layer.store))
 
+    waits_for_prompt_pass = True  # kvzip+kivi: kvzip scores and selects at full precision, then kivi quantizes
+
     def after_attention(self, layer, step) -> None:
+        if self._waiting(layer):
+            return
+        self._quantize_held(layer)
+
+    def after_prefill(self, cache, model, input_ids, attention_mask, tokenizer) -> None:
+        """After a prefill pass (kvzip's, which acts before it in the spec): quantize what the pass kept."""
+        for layer in cache.layers:
+            if self._waiting(layer):
+                layer.state[self.name] = PASS_DONE
+                self._quantize_held(layer)
+
+    def _waiting(self, layer) -> bool:
+        """While a method of the spec still has to act on the whole prompt at full precision."""
+        return any(m.needs_prefill_pass for m in layer.methods) and layer.state.get(self.name) != PASS_DONE
+
+    def _quantize_held(self, layer) -> None:
+        """Ragged rows that head-wise budgets left (adakv, kvzip) quantized per token; the dense store's oldest
+        whole groups as KIVI schedules them."""
+        if layer.sliding_window is None and not any(m.owns_layer(layer.index) for m in layer.methods):
+            for part in layer.parts_of(RaggedKV):
+                if isinstance(part.keys, torch.Tensor):
+                    layer.parts[layer.parts.index(part)] = part.quantized(self.bits, self.group)
         layer.quantize_oldest(self.bits, self.group, self.residual, self.key_mode)
+
+    def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
+        """Right after the prefill; behind head-wise budgets (ragged rows) every kept token is quantized per token
+        (one int32 position each per KV head), else :meth:`Quantization.layer_bytes`."""
+        if not any(storage(m) == "ragged" for m in layer.methods[: layer.methods.index(self)]):
+            return super().layer_bytes(kept_tokens, model, element_bytes, layer)
+        heads = model.num_kv_heads
+        return packed_bytes(kept_tokens, heads, model.head_dim, self.bits, self.group, "token") + position_bytes(
+            kept_tokens, heads
+        )

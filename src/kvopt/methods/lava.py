@@ -47,6 +47,7 @@ class LAVa(AdaKV):
     name = "lava"
     summary = "value-weighted scores, dynamic head budgets (global top-k) and layer budgets (entropy), ragged (LAVa)"
     runs_in_engine = False  # the last layer compresses every layer together (the whole prompt stays until then)
+    ranks_layers_together = True
 
     window: int = field(default=32, metadata={"help": "most recent tokens every head keeps, counted in the budget"})
     kernel: int = field(default=7, metadata={"help": "pooling kernel of scorers that pool (snapkv)"})

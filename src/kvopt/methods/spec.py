@@ -25,8 +25,9 @@ from kvopt.methods.base import Method, get
 STAGES = {None: 0, "ragged": 1, "sparse": 1, "merged": 2, "quantized": 3}
 #: Storages that take over a later method's job instead of leaving it no tokens: merged layer pairs
 #: store their shared directions in KIVI's format when kivi follows (see :mod:`kvopt.methods.minicache`);
-#: sparse-attention rows store their tokens in tokenquant's per-token format (see :mod:`kvopt.methods.rocketkv`).
-ADOPTS = {"merged": ("kivi",), "sparse": ("tokenquant",)}
+#: sparse-attention rows store their tokens in tokenquant's per-token format (see :mod:`kvopt.methods.rocketkv`);
+#: kivi quantizes ragged rows (head-wise budgets: adakv, kvzip) per token (see :meth:`RaggedKV.quantized`).
+ADOPTS = {"merged": ("kivi",), "sparse": ("tokenquant",), "ragged": ("kivi",)}
 
 
 def parse(spec: str) -> list[Method]:
@@ -126,7 +127,8 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
     over (:data:`ADOPTS`), since it would find no tokens left; decode-time eviction shares no spec
     with them (the moved tokens would never be evicted and the cache would outgrow its budget);
     merging needs every layer to keep the same tokens; and a method that acts on the whole prompt
-    after the prefill (``needs_prefill_pass``) shares no spec with one that moves tokens during it.
+    after the prefill (``needs_prefill_pass``) shares no spec with one that moves tokens during it
+    (unless that one waits for the pass: ``waits_for_prompt_pass``, kivi).
     ``spec`` is the text the errors quote.
     """
     spec = spec or "+".join(m.spec() for m in methods)
@@ -139,7 +141,7 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
             raise MethodParameterError(
                 f"{spec!r}: {later.name} acts only on tokens in the dense store, but {earlier.name} moves them into "
                 f"{storage(earlier)} storage first, so {later.name} would not act on them (while the memory estimate "
-                "counts it); keep one of the two (the pairs that work: minicache+kivi, rocketkv+tokenquant)"
+                "counts it); keep one of the two (the pairs that work: minicache+kivi, rocketkv+tokenquant, kvzip+kivi)"
             )
     for method in methods:
         for mover in movers:
@@ -156,10 +158,16 @@ def _check_beside_mover(method: Method, mover: Method, spec: str) -> None:
             f"where eviction never reaches them, so the cache would outgrow its budget; with {mover.name}, evict "
             f"at the prefill instead (e.g. snapkv:ratio=0.5 or window:ratio=0.5), or use {method.name} alone"
         )
-    if method.needs_prefill_pass:
+    if method.ranks_layers_together and mover is not method:
+        raise MethodParameterError(
+            f"{spec!r}: {method.spec()} compresses every layer together once the prefill's last layer has scored, "
+            f"but {mover.spec()} moves each layer's tokens into {kind} storage as soon as the layer is computed; "
+            f"use {method.name} alone, or adakv or kvzip with {mover.name}"
+        )
+    if method.needs_prefill_pass and not mover.waits_for_prompt_pass:
         raise MethodParameterError(
             f"{spec!r}: {method.spec()} acts on the whole prompt in full precision after the prefill, but "
-            f"{mover.spec()} moves tokens into {kind} storage during it; use {method.name} alone or with other "
+            f"{mover.spec()} moves tokens into {kind} storage during it; use {method.name} alone, with kivi, or with other "
             "eviction methods"
         )
     if kind == "merged" and evicts(method) and method.selects_per_head:
