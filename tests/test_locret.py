@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvopt
 from kvopt.cache.prerope import to_pairs
@@ -46,7 +45,8 @@ def locret(spec: str, trained) -> Locret:
 
 # -- the importance target ------------------------------------------------------------------------
 def test_importance_target_and_features_match_a_slow_reference(model):
-    """CIS = max over the answer's positions and the GQA group of q.k * scale, from HF's own projections."""
+    """CIS = max over the answer's positions and the GQA group of q.k * scale, the pre-RoPE query and key being
+    HF's own projections of the layer's normed input."""
     ids = text_ids(40)[None]
     answer, context = 8, 32
     features, targets = locret_heads.example(model, ids, answer)
@@ -54,19 +54,16 @@ def test_importance_target_and_features_match_a_slow_reference(model):
     reference.set_attn_implementation("eager")
     with torch.no_grad():
         hidden = reference(ids, output_hidden_states=True).hidden_states
-        positions = torch.arange(40)[None]
         for index, block in enumerate(reference.model.layers):
             attention = block.self_attn
             x = block.input_layernorm(hidden[index])
             q = attention.q_proj(x).view(1, 40, -1, attention.head_dim).transpose(1, 2)
             k = attention.k_proj(x).view(1, 40, -1, attention.head_dim).transpose(1, 2)
-            cos, sin = reference.model.rotary_emb(x, positions)
-            q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)
             group = q.shape[1] // k.shape[1]
             for head in range(k.shape[1]):
                 for token in range(context):
                     best = max(
-                        sum(a * b for a, b in zip(q_rot[0, h, p].tolist(), k_rot[0, head, token].tolist()))
+                        sum(a * b for a, b in zip(q[0, h, p].tolist(), k[0, head, token].tolist()))
                         * attention.scaling
                         for h in range(head * group, (head + 1) * group)
                         for p in range(context, 40)
