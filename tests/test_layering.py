@@ -14,6 +14,7 @@ Layers, bottom first; a part imports parts of lower layers only (not its own lay
     speculative                    drafting and verifying on api caches
     engine                         the paged serving engine
     serving, eval                  the HTTP server; the evaluation grid
+    cluster                        replicas on Ray Serve behind a KV-aware router; batch on Ray Data
     cli                            the command line
     kvopt                          the package ``__init__``: the public face re-exports; nothing inside imports it
 
@@ -43,6 +44,7 @@ LAYERS = [
     ("speculative",),
     ("engine",),
     ("serving", "eval"),
+    ("cluster",),
     ("cli",),
     (FACE,),
 ]

@@ -109,6 +109,9 @@ def batch(
     device: DeviceOption = "auto",
     speculate: EngineSpeculateOption = None,
     speculate_max_batch: SpeculateMaxBatchOption = None,
+    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="spread the lines over engine actors on Ray Data "
+                                      "(a local Ray cluster, or the one RAY_ADDRESS names; pip install kvopt[cluster])")] = False,
+    replicas: Annotated[int, typer.Option(help="with --ray: engine actors, one CPU each")] = 2,
 ) -> None:
     """Run a JSONL file of requests through the serving engine (continuous batching, prefix caching)."""
     from rich.console import Console
@@ -122,18 +125,27 @@ def batch(
         console.print(f"resuming: {len(done)} results already in {output}, {len(todo)} lines to run", highlight=False)
     from kvopt.engine import LLM
 
-    llm = LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, enable_prefix_caching=prefix_caching,
-              max_num_seqs=max_num_seqs, device=device, speculate=speculate,
-              speculate_max_batch=speculate_max_batch)  # fmt: skip
+    engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size,
+                       enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, device=device,
+                       speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
+    if ray:
+        from functools import partial
+
+        from kvopt.cluster.batch import ray_results
+
+        llm, results = None, ray_results(todo, partial(_results, default_max_tokens=max_tokens), engine_args, replicas)
+    else:
+        llm = LLM(**engine_args)
+        results = _results(llm, todo, max_tokens)
     _keep_only(output, done.values())
     with output.open("a", encoding="utf-8") as sink:
-        for custom_id, line in _results(llm, todo, max_tokens):
+        for custom_id, line in results:
             sink.write(json.dumps(line) + "\n")
             sink.flush()  # a kill keeps every finished result
             done[custom_id] = line
     _keep_only(output, [done[request.custom_id] for request in requests])  # input order
     console.print(f"wrote {len(requests)} results to {output}", highlight=False)
-    if metrics:
+    if metrics and llm is not None:  # with --ray each actor had its own engine
         _print_metrics(console, llm.metrics())
 
 

@@ -41,6 +41,12 @@ def serve(
     kv_tier_encoding: Annotated[str, typer.Option(help="codec of tier entries: raw, int8, int4 or cachegen")] = "raw",
     speculate: EngineSpeculateOption = None,
     speculate_max_batch: SpeculateMaxBatchOption = None,
+    replicas: Annotated[Optional[int], typer.Option(help="engine replicas on Ray Serve behind a KV-aware router "
+                                                    "(pip install kvopt[cluster]); each takes --threads CPUs (default 1)")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="join a running Ray cluster: auto, or the head's HOST:PORT; "
+                                                       "default: start a local one")] = None,
+    min_replicas: Annotated[Optional[int], typer.Option(help="autoscale the replicas with load, from this many")] = None,
+    max_replicas: Annotated[Optional[int], typer.Option(help="autoscale the replicas with load, up to this many")] = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
     from kvopt.engine import EngineConfig
@@ -58,6 +64,11 @@ def serve(
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
         tier_spec(spec)
 
+    engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
+                       device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
+                       speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
+
     def load():
         import torch
 
@@ -65,13 +76,18 @@ def serve(
 
         if threads is not None:
             torch.set_num_threads(threads)
-        return LLM(model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype, device=device,
-                   enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding, speculate=speculate,
-                   speculate_max_batch=speculate_max_batch).engine  # fmt: skip
+        return LLM(**engine_args).engine
 
     settings = ServerSettings(
         served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,
         max_waiting, max_body_bytes, request_timeout, shutdown_timeout,
     )  # fmt: skip
+    if (replicas, ray_address, min_replicas, max_replicas) != (None,) * 4:
+        from kvopt.cluster import ClusterSpec, serve_cluster
+
+        gpus = 1.0 if device.startswith("cuda") else 0.0
+        count = replicas if replicas is not None else min_replicas or 1
+        spec = ClusterSpec(count, threads or 1, gpus, min_replicas, max_replicas)
+        serve_cluster(engine_args, settings, spec, max_num_seqs, host, port, ray_address)
+        return
     run(load, settings, host, port, access_log)

@@ -308,11 +308,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread (which loads the model) and stops it."""
+def build_app(client: EngineClient, settings: ServerSettings, server_type: type[OpenAIServer] = OpenAIServer) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread (which loads the model) and stops it. ``server_type``:
+    the handlers' class (:mod:`kvopt.cluster` passes one whose client reaches engine replicas over Ray Serve)."""
     from kvopt._version import __version__
 
-    server = OpenAIServer(client, settings)
+    server = server_type(client, settings)
     app = FastAPI(title="kvopt", version=__version__, lifespan=server.lifespan,
                   description="OpenAI-compatible API on kvopt's engine (paged, prefix-cached KV blocks).")  # fmt: skip
     app.state.server = server

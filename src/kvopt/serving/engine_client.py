@@ -73,7 +73,11 @@ class RequestStream:
         self.closed = True
         self.client.streams.pop(self.request_id, None)
         if not self.finished:
-            self.client.submit(lambda engine: engine.abort(self.request_id))
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the unfinished request in the engine (its blocks return to the pool)."""
+        self.client.submit(lambda engine: engine.abort(self.request_id))
 
 
 class EngineClient:

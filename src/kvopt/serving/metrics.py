@@ -45,30 +45,36 @@ COUNTERS = {
 
 
 class EngineCollector:
-    """Exports the engine snapshot taken for the current scrape (nothing before the engine is loaded)."""
+    """Exports the engine snapshots taken for the current scrape (nothing before the engine is loaded): one engine's,
+    or several engines' with a ``replica`` label (the cluster's ingress, :mod:`kvopt.cluster`)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: dict | None = None
+        #: Snapshot per replica name ({"": snapshot} for a single engine, exported without a ``replica`` label).
+        self.snapshots: dict[str, dict] = {}
 
     def collect(self):
-        snapshot, labels = self.snapshot, [self.model_name]
-        if snapshot is None:
+        if not self.snapshots:
             return
+        names = ["model_name"] if "" in self.snapshots else ["model_name", "replica"]
+        rows = [([self.model_name, replica][: len(names)], snapshot) for replica, snapshot in sorted(self.snapshots.items())]
         for key, doc in GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name"])
-            family.add_metric(labels, snapshot[key])
+            family = GaugeMetricFamily(PREFIX + key, doc, labels=names)
+            for labels, snapshot in rows:
+                family.add_metric(labels, snapshot[key])
             yield family
         for key, doc in COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])
-            family.add_metric(labels, snapshot[f"{key}_total"])
+            family = CounterMetricFamily(PREFIX + key, doc, labels=names)
+            for labels, snapshot in rows:
+                family.add_metric(labels, snapshot[f"{key}_total"])
             yield family
         finished = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason "
-                                       "(stop, length, abort, error).", labels=["model_name", "finished_reason"])  # fmt: skip
-        for reason, count in sorted(snapshot["request_success_total"].items()):
-            finished.add_metric([*labels, reason], count)
+                                       "(stop, length, abort, error).", labels=[*names, "finished_reason"])  # fmt: skip
+        for labels, snapshot in rows:
+            for reason, count in sorted(snapshot["request_success_total"].items()):
+                finished.add_metric([*labels, reason], count)
         yield finished
-        yield from _tier_families(snapshot["kv_tiers"], labels)
+        yield from _tier_families(rows, names)
 
 
 #: Per-tier statistic -> (help text, counter?), exported as ``kvopt:kv_tier_<stat>`` with a ``tier`` label.
@@ -84,14 +90,15 @@ TIER_STATS = {
 }
 
 
-def _tier_families(tiers: dict[str, dict], labels: list[str]):
-    if not tiers:
+def _tier_families(rows: list[tuple[list[str], dict]], names: list[str]):
+    if not any(snapshot["kv_tiers"] for _, snapshot in rows):
         return
     for stat, (doc, counter) in TIER_STATS.items():
         kind = CounterMetricFamily if counter else GaugeMetricFamily
-        family = kind(f"{PREFIX}kv_tier_{stat}", doc, labels=["model_name", "tier"])
-        for tier, stats in tiers.items():
-            family.add_metric([*labels, tier], stats[stat])
+        family = kind(f"{PREFIX}kv_tier_{stat}", doc, labels=[*names, "tier"])
+        for labels, snapshot in rows:
+            for tier, stats in snapshot["kv_tiers"].items():
+                family.add_metric([*labels, tier], stats[stat])
         yield family
 
 
@@ -123,5 +130,9 @@ class ServerMetrics:
         self.e2e.observe(times[-1] - stream.arrival)
 
     def render(self, snapshot: dict | None) -> bytes:
-        self.engine.snapshot = snapshot
+        return self.render_replicas({} if snapshot is None else {"": snapshot})
+
+    def render_replicas(self, snapshots: dict[str, dict]) -> bytes:
+        """Every replica's engine series, labelled ``replica`` (``{"": snapshot}``: one engine, no such label)."""
+        self.engine.snapshots = snapshots
         return generate_latest(self.registry)
