@@ -341,3 +341,29 @@ def test_engine_chunk_requests_refuse_bad_input_alone(tiny_with_tokenizer):
         chunk_llm(tiny_with_tokenizer, blend_ratio=2.0)
     with pytest.raises(kvopt.engine.llm_engine.RequestError, match="enable_chunk_caching"):
         chunk_llm(tiny_with_tokenizer, enable_chunk_caching=False).generate([{"chunks": [DOCS[0]], "prompt": "x"}])
+
+
+def test_the_server_places_documents_before_the_last_user_message(tiny_with_tokenizer):
+    import httpx
+
+    from kvopt.serving import ServerSettings, ThreadedServer
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where does it rise?"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    llm = chunk_llm(tiny_with_tokenizer, blend_ratio=1.0)
+    tokenizer = llm.tokenizer
+    rendered = llm.apply_chat_template([messages[0], {"role": "user", "content": "\x00" + messages[1]["content"]}])
+    head, tail = rendered.split("\x00")
+    ids = [t for text in (head, *(f"{doc}\n\n" for doc in DOCS), tail)
+           for t in tokenizer(text, add_special_tokens=False).input_ids]  # fmt: skip
+    with ThreadedServer(lambda: llm.engine, ServerSettings("tiny")) as server:
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": list(DOCS)}, timeout=60).json()
+        plain = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6,
+                                                                 "temperature": 0, "ignore_eos": True}, timeout=60).json()  # fmt: skip
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+        assert reply["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+        refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": []}, timeout=60)
+        assert refused.status_code == 400 and "documents" in refused.json()["error"]["message"]
+    assert llm.engine._chunk_stores["full"].stats.stores == 2
+    assert_pool_empty(llm)

@@ -83,7 +83,7 @@ class _Blender(Method):
         plan = self.plan
         if plan.trailing:
             query = step.query[:, :, -plan.trailing :]
-            self.plan.steps[layer.index] = AttentionStep(
+            plan.steps[layer.index] = AttentionStep(
                 step.module, query, step.query_positions[..., -plan.trailing :], step.scaling, True
             )
         if plan.chosen is None and layer.index == plan.check_layer:
@@ -135,7 +135,7 @@ def blend(
     plan.check_layer, plan.ratio = check, blend_ratio
     if strategy == "epic":
         plan.chosen = plan.fresh.clone()
-        for start, chunk in placed:
+        for start, _ in placed:
             if start > 0:
                 plan.chosen[start : min(start + epic_tokens, width)] = True
     elif blend_ratio == 0.0:

@@ -92,6 +92,8 @@ class ChunkedPrompt:
 
     chunks: tuple[str | tuple[int, ...], ...]
     prompt: str | list[int]
+    #: New text before the chunks (a chat template's head): computed normally.
+    prefix: str | list[int] = ()
 
 
 class BlendedKV(CacheBackedKV):
@@ -242,7 +244,7 @@ class LLMEngine:
             pieces = [Chunk(tuple(self._piece_ids(document))) for document in prompt.chunks]
         except ChunkError as error:
             return [], str(error)
-        return [*pieces, self._piece_ids(prompt.prompt)], None
+        return [self._piece_ids(prompt.prefix), *pieces, self._piece_ids(prompt.prompt)], None
 
     def _piece_ids(self, piece: str | list[int] | tuple[int, ...]) -> list[int]:
         """A chunked prompt's piece as ids: text without special tokens (pieces are joined as they are)."""

@@ -233,6 +233,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    #: kvopt's extension for retrieval-augmented prompts: each document is tokenized on its own and placed, followed by
+    #: a blank line, at the start of the last user message's text (where that message's content begins in the chat
+    #: template); its KV is computed once and reused wherever it appears (``kvopt serve --chunk-caching``).
+    documents: list[Text] | None = Field(
+        None, min_length=1, description="kvopt: retrieved documents before the last user message, reused by content",
+    )  # fmt: skip
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: Logprobs | None = None

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvopt.engine import RequestOutput, SamplingParams
+from kvopt.engine.llm_engine import ChunkedPrompt
 from kvopt.engine.requests import RequestSchemaError, max_tokens_within
 from kvopt.serving.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from kvopt.serving.errors import APIError, BodyLimitMiddleware, error_body, install_error_handlers
@@ -160,7 +161,11 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         self._check_stream_options(body)
-        prompt = await self.tokenizer.encode_chat([message.as_template_input() for message in body.messages])
+        messages = [message.as_template_input() for message in body.messages]
+        if body.documents:  # kvopt's extension: documents reused by content (engine/requests.py)
+            prompt, length = await self.tokenizer.encode_chat_documents(messages, body.documents)
+            return await self._generate(request, body, prompt, chat=True, prompt_tokens=length)
+        prompt = await self.tokenizer.encode_chat(messages)
         return await self._generate(request, body, prompt, chat=True)
 
     async def models(self) -> dict:
@@ -197,8 +202,9 @@ class OpenAIServer:
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with \"stream\": true", param="stream_options")
 
-    async def _generate(self, request: Request, body: GenerateRequest, prompt: list[int], chat: bool) -> Response:
-        params = self._sampling_params(body, len(prompt), chat)
+    async def _generate(self, request: Request, body: GenerateRequest, prompt: list[int] | ChunkedPrompt, chat: bool,
+                        prompt_tokens: int | None = None) -> Response:  # fmt: skip
+        params = self._sampling_params(body, len(prompt) if prompt_tokens is None else prompt_tokens, chat)
         self._check_capacity()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         form = Formatter(request_id, int(time.time()), self.settings.model_name, chat, params.logprobs)

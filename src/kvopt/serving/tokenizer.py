@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from kvopt.engine.llm_engine import ChunkedPrompt
 from kvopt.serving.errors import APIError
+
+#: Where the documents go in a rendered conversation (replaced, never sent to the model).
+DOCUMENTS_MARK = "\uE000kvopt-documents\uE000"
 
 
 class AsyncTokenizer:
@@ -26,10 +30,23 @@ class AsyncTokenizer:
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the assistant's reply."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError(400, "this model's tokenizer has no chat template; send a plain prompt to /v1/completions",
-                           param="messages")  # fmt: skip
         return await self._run(self._encode_chat, messages)
+
+    async def encode_chat_documents(self, messages: list[dict[str, str]], documents: list[str]) -> tuple[ChunkedPrompt, int]:
+        """The conversation with ``documents`` at the start of the last user message's text, each tokenized on its own
+        (a chunk reused by content, :mod:`kvopt.chunks`); and the prompt's token count."""
+        users = [index for index, message in enumerate(messages) if message["role"] == "user"]
+        if not users:
+            raise APIError(400, "documents go before the last user message; the messages have none", param="documents")
+        last = users[-1]
+        marked = [*messages[:last], {**messages[last], "content": DOCUMENTS_MARK + messages[last]["content"]},
+                  *messages[last + 1 :]]  # fmt: skip
+        rendered = await self._run(self._render, marked)
+        head, _, tail = rendered.partition(DOCUMENTS_MARK)
+        chunks = [await self.encode(f"{document}\n\n", add_special_tokens=False) for document in documents]
+        prefix, question = await self.encode(head, False), await self.encode(tail, False)
+        count = len(prefix) + sum(map(len, chunks)) + len(question)
+        return ChunkedPrompt(tuple(tuple(chunk) for chunk in chunks), question, prefix), count
 
     async def token_strings(self, token_ids: list[int]) -> dict[int, str]:
         """The text of each token on its own (for log-probabilities)."""
@@ -44,9 +61,14 @@ class AsyncTokenizer:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template writes the special tokens (BOS, role markers) itself.
+        return self._encode(self._render(messages), add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model's tokenizer has no chat template; send a plain prompt to /v1/completions",
+                           param="messages")  # fmt: skip
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # noqa: BLE001 - templates raise what they like (e.g. "roles must alternate")
             raise APIError(400, f"the model's chat template refused these messages: {error}", param="messages") from None
-        # The template writes the special tokens (BOS, role markers) itself.
-        return self._encode(text, add_special_tokens=False)
