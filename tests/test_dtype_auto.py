@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import random_batch
+from test_batch_cli import run
 from test_engine import NEW_TOKENS, mixed_prompts
 from test_hardening_cli import run_main
 from tiny_models import CONFIGS, tiny_model
@@ -97,7 +98,31 @@ def test_load_model_auto_follows_the_flags(model_folder, flags):
     assert model.dtype == torch.float32
 
 
-@pytest.mark.parametrize("command", [["generate", "Hi"]])
+def test_batch_dtype_reaches_the_model_and_the_pool(model_folder, tmp_path, monkeypatch, capsys, flags):
+    """``kvopt batch --dtype auto`` on a bf16 CPU: bf16 weights and a bf16 KV pool."""
+    import kvopt.engine
+
+    engines = []
+
+    class Recording(LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self.engine)
+
+    monkeypatch.setattr(kvopt.engine, "LLM", Recording)
+    flags(ZEN4)
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "The capital of France is", "max_tokens": 3, "ignore_eos": True}) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, stderr = run([str(source), "-o", str(out), "--model", str(model_folder), "--kv-memory", "8MB", "--dtype",
+                        "auto", "--no-metrics"], monkeypatch, capsys)  # fmt: skip
+    assert code == 0, stderr
+    (engine,) = engines
+    assert engine.dtype == torch.bfloat16 and engine.runner.pool.keys[0].dtype == torch.bfloat16
+    assert json.loads(out.read_text())["response"]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("command", [["batch", "in.jsonl", "-o", "out.jsonl"], ["serve"], ["generate", "Hi"]])
 def test_cli_bad_dtype_is_one_line_and_exit_2(command, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")

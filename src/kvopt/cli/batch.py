@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from kvopt.cli.options import DeviceOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
+from kvopt.cli.options import DeviceOption, DtypeOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
 from kvopt.errors import KVOptError
 
 
@@ -106,6 +106,7 @@ def batch(
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="print the engine's metrics at the end")] = True,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="keep the results already in --output (an "
                                          "interrupted run's) and run only the other lines")] = False,  # fmt: skip
+    dtype: DtypeOption = None,
     device: DeviceOption = "auto",
     speculate: EngineSpeculateOption = None,
     speculate_max_batch: SpeculateMaxBatchOption = None,
@@ -126,7 +127,7 @@ def batch(
     from kvopt.engine import LLM
 
     engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size,
-                       enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, device=device,
+                       enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
                        speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
     if ray:
         from functools import partial

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
+from kvopt.cli.options import DeviceOption, DtypeOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
 
 
 def serve(
@@ -25,7 +25,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="sequences decoded together at most")] = 64,
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="longest prompt + output; default: the model's")] = None,
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: checkpoint's")] = None,
+    dtype: DtypeOption = None,
     device: DeviceOption = "auto",
     max_prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="longest prompt accepted (400 beyond); default: the context")] = None,
     max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="largest max_tokens accepted (400 beyond); default: the context")] = None,
@@ -41,6 +41,8 @@ def serve(
     kv_tier_encoding: Annotated[str, typer.Option(help="codec of tier entries: raw, int8, int4 or cachegen")] = "raw",
     speculate: EngineSpeculateOption = None,
     speculate_max_batch: SpeculateMaxBatchOption = None,
+    chunk_caching: Annotated[bool, typer.Option("--chunk-caching/--no-chunk-caching", help="reuse the KV of the "
+                                                "\"documents\" a chat request names wherever they appear (CacheBlend)")] = False,
     replicas: Annotated[Optional[int], typer.Option(help="engine replicas on Ray Serve behind a KV-aware router "
                                                     "(pip install kvopt[cluster]); each takes --threads CPUs (default 1)")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="join a running Ray cluster: auto, or the head's HOST:PORT; "
@@ -52,12 +54,14 @@ def serve(
     from kvopt.engine import EngineConfig
     from kvopt.engine.offload import tier_spec
     from kvopt.methods import parse
+    from kvopt.models.cpu_features import check_model_dtype
     from kvopt.models.device import resolve_device
     from kvopt.serving import ServerSettings
     from kvopt.serving import serve as run
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     resolve_device(device)
+    check_model_dtype(dtype)
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
                  max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch)
     tiers = tuple(kv_tier or ())
@@ -67,7 +71,8 @@ def serve(
     engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
                        device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
-                       speculate=speculate, speculate_max_batch=speculate_max_batch)  # fmt: skip
+                       speculate=speculate, speculate_max_batch=speculate_max_batch,
+                       enable_chunk_caching=chunk_caching)  # fmt: skip
 
     def load():
         import torch
