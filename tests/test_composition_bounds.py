@@ -28,13 +28,14 @@ MOVERS = [*QUANTIZERS, "minicache:start=0.3"]
 #: eviction that keeps the same tokens in every layer; rocketkv's sparse rows in tokenquant's layout. Every other
 #: pair is refused when parsed.
 COMPOSABLE = {
-    *((f"{name}:ratio=0.5", quantizer) for name in ("snapkv", "pyramidkv", "knorm", "random", "window", "fastkv")
+    *((f"{name}:ratio=0.5", quantizer) for name in ("snapkv", "pyramidkv", "knorm", "random", "window", "fastkv", "locret")
       for quantizer in QUANTIZERS),  # fmt: skip
     ("window:ratio=0.5", "minicache:start=0.3"),
     ("rocketkv:ratio=0.5", "tokenquant:bits=4,group=16,residual=16"),  # stage 2's rows quantized per token
     # kivi after head-wise budgets (ragged rows quantized per token) and after whole-prompt passes (it waits for them)
     *((f"{name}:ratio=0.5", "kivi:bits=2,residual=32") for name in ("adakv", "kvzip", "shallowzip", "surprisal")),
-    ("surprisal:ratio=0.5", "tokenquant:bits=4,group=16,residual=16"),
+    *((f"{name}:ratio=0.5", "tokenquant:bits=4,group=16,residual=16") for name in ("surprisal", "epicache")),
+    ("epicache:ratio=0.5", "kivi:bits=2,residual=32"),
 }
 
 
@@ -69,6 +70,8 @@ def test_pair_holds_its_bound_or_is_refused(model, tiny_with_tokenizer, eviction
             method.layer_bits = [4, 2, 2]  # what a calibration would give (the tiny model has no tokenizer)
         if method.name in ("kvquant", "aquakv"):  # calibrated on random ids (the tiny model has no tokenizer)
             method.fit(model, torch.randint(3, VOCAB, (1, method.calibration), generator=torch.Generator().manual_seed(1)))
+        if method.name == "locret":  # heads trained on random ids, likewise
+            method.fit(model, torch.randint(3, VOCAB, (512,), generator=torch.Generator().manual_seed(1)))
     cache = kvopt.cache(methods, model)
     ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     prefill_and_decode(model, cache, ids, NEW_TOKENS, tokenizer)

@@ -27,7 +27,7 @@ def test_the_reconstruction_stops_after_the_scored_layers(tiny_with_tokenizer):
             hook.remove()
     assert tokens[1] == 200  # the prefill only
     assert tokens[0] > 400  # the prefill, then the context repeated after a prompt per chunk
-    assert cache.get_seq_length() == 200 and not any(layer.scoring for layer in cache.layers)
+    assert cache.get_seq_length() == 200 and not any(layer.mode for layer in cache.layers)
     assert cache.layers[1].parts  # the deeper layer was compressed all the same
 
 

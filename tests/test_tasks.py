@@ -41,12 +41,12 @@ def _needle_position(sample: Sample) -> float:
     return sample.context.index(marker) / len(sample.context)
 
 
-def test_registry_exposes_the_ten_tasks():
+def test_registry_exposes_every_task():
     assert set(TASKS) == {"passkey", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "prose_needle",
-                          "prose_multikey", "vt", "cwe", "fwe"}
+                          "prose_multikey", "vt", "cwe", "fwe", "retrieval", "retrieval_2hop", "conversation"}
     for name, task in TASKS.items():
         assert task.name == name and task.max_new_tokens > 0
-        assert task.uses_depth == (name in NEEDLE_TASKS)
+        assert task.uses_depth == (name in NEEDLE_TASKS or name == "conversation")  # depth: the topic asked about
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{t}-{n}" for t, n in CASES])

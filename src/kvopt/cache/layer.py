@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -94,9 +93,6 @@ class KVLayer(SeamLayer):
         self.seen_real = 0
         #: Per-layer state of the methods (e.g. a budget fixed at prefill), keyed by method name.
         self.state: dict[str, object] = {}
-        #: When set, forwards only *score* the stored tokens: this function attends (returning the
-        #: output) and records its scores, then the new tokens are forgotten (KVzip's reconstruction pass).
-        self.scoring: Callable[[KVLayer, AttentionStep, float | None], torch.Tensor] | None = None
         #: When set, attention calls go to it instead of :meth:`store_and_attend` (see :class:`AttentionMode`).
         self.mode: AttentionMode | None = None
         #: The prefill step a recording cache kept (:func:`kvopt.methods.recording.record_prefill`), for replays.
@@ -153,10 +149,8 @@ class KVLayer(SeamLayer):
         """Store the new tokens, attend over everything held, then let the methods act."""
         new = key.shape[-2]
         is_prefill = self.seen == 0
-        positions, real = self.store_tokens(key, value, padding[:, -new:] if padding is not None else None)
+        positions, _ = self.store_tokens(key, value, padding[:, -new:] if padding is not None else None)
         store = self.store
-        if self.scoring is not None:
-            return self._score_and_forget(module, query, positions, scaling, softcap, new, real)
         keys = store.keys
         for method in self.methods:
             keys = method.read_keys(self, keys, positions)
@@ -210,21 +204,6 @@ class KVLayer(SeamLayer):
             method.after_attention(self, step)
         if self.sliding_window is not None:
             self._forget_outside_window()
-
-    def _score_and_forget(self, module, query, positions, scaling, softcap, new: int, new_real: int) -> torch.Tensor:
-        """Let :attr:`scoring` attend and score the stored tokens, then drop the new tokens."""
-        if self.parts:
-            held = " and ".join(part.kind for part in self.parts)
-            raise CacheUsageError(
-                "kvzip's reconstruction pass needs the prompt dense and in full precision, but this layer already "
-                f"holds {held}; kvzip cannot share a cache with those methods yet: use it alone or with other "
-                "eviction methods"
-            )
-        output = self.scoring(self, AttentionStep(module, query, positions, scaling, False), softcap)
-        self.store.end -= new
-        self.seen -= new
-        self.seen_real -= new_real
-        return output
 
     def _attend_in_parts(self, query, keys, positions, scaling, softcap) -> torch.Tensor:
         """Attention over every part, then the dense store (with the keys as methods present them), merged exactly."""

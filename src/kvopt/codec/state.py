@@ -54,8 +54,6 @@ class Dumper:
     def layer(self, layer, index: int) -> dict:
         if layer.mode is not None:
             raise CacheUsageError(f"cannot save layer {index} during {layer.mode.purpose}; let it finish first")
-        if layer.scoring is not None:
-            raise CacheUsageError(f"cannot save layer {index} while its scoring is open; let kvzip finish first")
         if layer.recorded_prefill is not None:
             raise CacheUsageError("a recording cache (record_prefill) cannot be saved; save the cache that replays it")
         self.depth = index / self.layers

@@ -57,7 +57,7 @@ from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.budgets import LayerBudgets
 from kvopt.methods.eviction import Eviction
-from kvopt.methods.kvzip import EXTRA, score_reconstruction
+from kvopt.methods.kvzip import EXTRA, RECONSTRUCTION
 from kvopt.models.forward import cache_kwargs
 
 #: The paper's instruction before the patched prompt (``prefill_memory_constrained``).
@@ -286,7 +286,7 @@ def compress_blockwise(
                       **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)  # fmt: skip
         finally:
             for layer in layers:
-                layer.scoring = None
+                layer.mode = None
         kept = [best(layer.store.extra(EXTRA)[0], held, budget) for layer, held, budget in zip(layers, kept, budgets)]
     question = torch.arange(history, len(ids), device=device).expand(heads, -1)
     install(layers, full, [torch.cat([held, question], dim=1) for held in kept], len(ids), scoring=False)
@@ -302,7 +302,7 @@ def best(scores: torch.Tensor, held: torch.Tensor, budget: int) -> torch.Tensor:
 
 def install(layers, full, kept: list[torch.Tensor], seen: int, scoring: bool) -> None:
     """Make each layer hold exactly the tokens at positions ``kept[layer] [heads, tokens]`` of ``full``, having
-    seen ``seen`` tokens; with ``scoring``, the next forward scores them (KVzip's hook) and is then forgotten."""
+    seen ``seen`` tokens; with ``scoring``, the next forward scores them (KVzip's mode) and is then forgotten."""
     for layer, (keys, values), positions in zip(layers, full, kept):
         index = positions[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
         layer.store = DenseKVStore.wrap(
@@ -311,4 +311,4 @@ def install(layers, full, kept: list[torch.Tensor], seen: int, scoring: bool) ->
         layer.seen, layer.seen_real = seen, seen
         if scoring:
             layer.store.add_extra(EXTRA)
-            layer.scoring = score_reconstruction
+            layer.mode = RECONSTRUCTION

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.layer import AttentionStep, KVLayer
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
@@ -86,7 +87,7 @@ class KVzip(Eviction):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         for layer in scored:
-            layer.scoring = score_reconstruction
+            layer.mode = RECONSTRUCTION
         try:
             for prompt_ids, chunk_ids, chunk_mask in self._reconstruction_chunks(tokenizer, input_ids, attention_mask):
                 prompt = torch.as_tensor(prompt_ids, device=input_ids.device).expand(batch, -1)
@@ -96,7 +97,7 @@ class KVzip(Eviction):
                     self.forward(model, ids, mask, cache)
         finally:
             for layer in scored:
-                layer.scoring = None
+                layer.mode = None
 
     def forward(self, model, ids, mask, cache) -> None:
         """One reconstruction forward."""
@@ -152,7 +153,7 @@ class KVzip(Eviction):
 def score_reconstruction(layer, step, softcap: float | None) -> torch.Tensor:
     """Attend, and raise each older token's score to the max attention the new queries pay it.
 
-    The layer's scoring hook (:attr:`KVLayer.scoring`) during the reconstruction pass: one explicit
+    What :class:`ReconstructionPass` runs in each layer: one explicit
     softmax serves both the scores and the output (no second attention pass).
     """
     store = layer.store
@@ -161,3 +162,30 @@ def score_reconstruction(layer, step, softcap: float | None) -> torch.Tensor:
     extra = store.extra(EXTRA)[..., :old]
     torch.maximum(extra, probs[..., :old].amax(dim=(2, 3)), out=extra)
     return grouped_attention_output(probs, store.values).to(step.query.dtype).contiguous()
+
+
+class ReconstructionPass:
+    """A layer's attention during kvzip's reconstruction pass (set as :attr:`KVLayer.mode`): the new queries attend
+    to everything stored and raise the stored tokens' scores (:func:`score_reconstruction`), then the new tokens
+    are forgotten, so the pass leaves only scores behind."""
+
+    purpose = "kvzip's reconstruction pass"
+
+    def attend(self, layer: KVLayer, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
+        if layer.parts:
+            held = " and ".join(part.kind for part in layer.parts)
+            raise CacheUsageError(
+                "kvzip's reconstruction pass needs the prompt dense and in full precision, but this layer already "
+                f"holds {held}; kvzip cannot share a cache with those methods yet: use it alone, with kivi, or with "
+                "other eviction methods"
+            )
+        new = key.shape[-2]
+        positions, real = layer.store_tokens(key, value, padding[:, -new:] if padding is not None else None)
+        output = score_reconstruction(layer, AttentionStep(module, query, positions, scaling, False), softcap)
+        layer.store.end -= new
+        layer.seen -= new
+        layer.seen_real -= real
+        return output
+
+
+RECONSTRUCTION = ReconstructionPass()
