@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption, ModelOption
+from kvopt.cli.options import DeviceOption, DtypeOption, ModelOption
 from kvopt.errors import KVOptError
 from kvopt.models.forward import cache_kwargs
 
@@ -58,6 +58,7 @@ def chat(
     sessions: Annotated[Optional[Path], typer.Option("--sessions-dir", help="folder of session files; default $KVOPT_SESSIONS or $KVOPT_CACHE/sessions")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per answer at most")] = 128,
     encoding: Annotated[str, typer.Option(help="session file encoding: raw (lossless), int8, int4, cachegen")] = "raw",
+    dtype: DtypeOption = None,
     device: DeviceOption = "auto",
 ) -> None:
     """Chat on stdin, one user turn per line; the conversation's KV cache persists across restarts."""
@@ -73,7 +74,7 @@ def chat(
     if encoding not in ENCODINGS:
         raise KVOptError(f"--encoding {encoding!r}: use one of {', '.join(ENCODINGS)}")
     path = sessions_dir(sessions) / f"{session}.kvc"
-    model, tokenizer = load_model(model, device=device)
+    model, tokenizer = load_model(model, dtype=dtype, device=device)
     if path.exists():
         cache, meta = read_cache(path, model)
         if not {"tokens", "messages"} <= set(meta):
