@@ -173,7 +173,7 @@ def test_layers_ragged_storage_cannot_serve_keep_the_uniform_share():
 @pytest.mark.parametrize(
     "spec, fragment",
     [("lava:ratio=0.5,pooling=mean", "pooling='mean'"), ("lava:ratio=0.5,scorer=window", "scorer"),
-     ("lava:ratio=0.5,alpha=2", "alpha"), ("lava:ratio=0.5+kivi:bits=4", "ragged")],
+     ("lava:ratio=0.5,alpha=2", "alpha"), ("lava:ratio=0.5+kivi:bits=4", "every layer together")],
 )  # fmt: skip
 def test_bad_specs_say_what_to_do(spec, fragment):
     with pytest.raises(MethodParameterError, match=fragment):

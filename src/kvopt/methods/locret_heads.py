@@ -214,7 +214,8 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
     training, validation = pieces[:-held_out], pieces[-held_out:]
     width = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
     torch.manual_seed(0)
-    heads = RetainingHeads(info.num_layers, width, info.num_kv_heads).to(pieces[0].device)
+    with torch.device(pieces[0].device):  # made where they train, never on a default device set elsewhere
+        heads = RetainingHeads(info.num_layers, width, info.num_kv_heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95))
     total = len(training) * steps_per_sequence
     warmup = max(1, total // 10)
@@ -300,7 +301,8 @@ def load(path: Path, fingerprint: str, device: torch.device) -> TrainedHeads:
     if saved.get("fingerprint") != fingerprint:
         raise HeadsFileError(f"locret: the heads file {path} was trained for another model (fingerprint differs)")
     layers, features, hidden = state["fc1"].shape
-    heads = RetainingHeads(layers, features, state["fc2"].shape[-1], hidden)
+    with torch.device("cpu"):  # the file's tensors are on the CPU; moved to ``device`` below
+        heads = RetainingHeads(layers, features, state["fc2"].shape[-1], hidden)
     heads.load_state_dict(state)
     return TrainedHeads(heads.to(device).requires_grad_(False), TrainingReport(**saved["report"]), path)
 
