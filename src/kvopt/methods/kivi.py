@@ -29,8 +29,9 @@ from kvopt.methods.base import register
 from kvopt.methods.quantization import Quantization, packed_bytes, position_bytes
 from kvopt.methods.spec import storage
 
-#: A layer's kivi state once the spec's prefill pass has run (kivi then quantizes as usual).
-PASS_DONE = "after the prefill pass"
+#: A layer's kivi state: waiting for the spec's prefill pass (kvzip's), or quantizing as usual (the pass ran, or the
+#: spec has none); set at the layer's first call.
+WAITING, PASS_DONE = "waiting for the prefill pass", "after the prefill pass"
 
 
 @register
@@ -75,8 +76,12 @@ class KIVI(Quantization):
                 self._quantize_held(layer)
 
     def _waiting(self, layer) -> bool:
-        """While a method of the spec still has to act on the whole prompt at full precision."""
-        return any(m.needs_prefill_pass for m in layer.methods) and layer.state.get(self.name) != PASS_DONE
+        """While a method of the spec still has to act on the whole prompt at full precision: whether the spec has
+        such a method is read once per layer, not at every step."""
+        phase = layer.state.get(self.name)
+        if phase is None:
+            phase = layer.state[self.name] = WAITING if any(m.needs_prefill_pass for m in layer.methods) else PASS_DONE
+        return phase == WAITING
 
     def _quantize_held(self, layer) -> None:
         """Ragged rows that head-wise budgets left (adakv, kvzip) quantized per token; the dense store's oldest

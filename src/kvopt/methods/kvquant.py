@@ -31,8 +31,6 @@ real token). Sliding-window layers stay at full precision.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,22 +242,14 @@ class KVQuant(Method):
 
 def load_or_fit(method: KVQuant, model, calibration_text: Callable[[], str]) -> None:
     """Calibrated codecs for ``model``, from the cache folder or computed now on ``calibration_text()``."""
-    from transformers import AutoTokenizer
+    from kvopt.models.loading import calibration_path, model_tokenizer
 
-    from kvopt.models.loading import cache_dir
-
-    source = getattr(model, "name_or_path", "") or ""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError):
-        raise MethodParameterError(
-            f"{method.name} calibrates on real text and needs the model's tokenizer (load the model from a folder, "
-            "or call method.fit(model, ids) with token ids of real text)"
-        ) from None
+    tokenizer = model_tokenizer(
+        model, f"{method.name} calibrates on real text and needs the model's tokenizer (load the model from a folder, "
+        "or call method.fit(model, ids) with token ids of real text)",
+    )  # fmt: skip
     settings = {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.name != "residual"}
-    params = [CALIBRATION_FORMAT, method.name, source, model.config.to_json_string(), settings]
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / method.name / f"{key}.pt"
+    path = calibration_path(method.name, model, [settings], version=(CALIBRATION_FORMAT, method.name))
     if path.exists():
         saved = torch.load(path, weights_only=True, map_location=model.device)  # fitted on another device, maybe
         method.load_calibration(saved["state"])

@@ -368,20 +368,12 @@ def estimated_seconds(model, tokens: int = TRAIN_TOKENS) -> float:
 
 def text_ids(model, text: str, tokens: int = TRAIN_TOKENS) -> torch.Tensor:
     """The last ``tokens`` token ids of ``text`` in ``model``'s own tokenizer (found in its folder)."""
-    from kvopt.models.loading import load_tokenizer
+    from kvopt.models.loading import model_tokenizer
 
-    source = getattr(model, "name_or_path", "") or ""
-    tokenizer = None
-    if source:
-        try:
-            tokenizer = load_tokenizer(source)
-        except KVOptError:  # no usable tokenizer there
-            tokenizer = None
-    if tokenizer is None or len(tokenizer) > model.config.vocab_size:
-        raise MethodParameterError(
-            "locret trains its heads on real text and needs the model's tokenizer: load the model from its folder "
-            "(kvopt.load_model(PATH)), or train on token ids with Locret.fit(model, ids)"
-        )
+    tokenizer = model_tokenizer(
+        model, "locret trains its heads on real text and needs the model's tokenizer: load the model from its folder "
+        "(kvopt.load_model(PATH)), or train on token ids with Locret.fit(model, ids)",
+    )  # fmt: skip
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0, -tokens:]
 
 

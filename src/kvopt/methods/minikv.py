@@ -18,7 +18,6 @@ its selective flash-attention kernel is not reproduced (scores come from the evi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -132,23 +131,14 @@ def assign_bits(method: MiniKV, scores: list[float]) -> list[int | None]:
 
 def load_or_calibrate(method: MiniKV, model, calibration_text: Callable[[], str]) -> list[int | None]:
     """Calibrated bits for ``model``, from the cache folder or computed now on ``calibration_text()``."""
-    from transformers import AutoTokenizer
+    from kvopt.models.loading import calibration_path, model_tokenizer
 
-    from kvopt.models.loading import cache_dir
-
-    source = getattr(model, "name_or_path", "") or ""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError):
-        raise MethodParameterError(
-            "minikv calibrates on real text and needs the model's tokenizer (load the model from a folder, or set "
-            "method.layer_bits = kvopt.methods.minikv.assign_bits(method, sensitivities(method, model, ids)))"
-        ) from None
-    key = hashlib.sha256(
-        json.dumps([source, model.config.to_json_string(), method.low, method.high, method.sensitive, method.group,
-                    method.calibration]).encode()  # fmt: skip
-    ).hexdigest()[:16]
-    path = cache_dir() / "minikv" / f"{key}.json"
+    tokenizer = model_tokenizer(
+        model, "minikv calibrates on real text and needs the model's tokenizer (load the model from a folder, or set "
+        "method.layer_bits = kvopt.methods.minikv.assign_bits(method, sensitivities(method, model, ids)))",
+    )  # fmt: skip
+    settings = [method.low, method.high, method.sensitive, method.group, method.calibration]
+    path = calibration_path("minikv", model, settings, suffix=".json")
     if path.exists():
         return json.loads(path.read_text())["layer_bits"]
     text = calibration_text()
@@ -156,5 +146,5 @@ def load_or_calibrate(method: MiniKV, model, calibration_text: Callable[[], str]
     scores = sensitivities(method, model, ids.to(model.device))
     bits = assign_bits(method, scores)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": source, "layer_bits": bits, "kl": scores}, indent=1))
+    path.write_text(json.dumps({"model": model.name_or_path, "layer_bits": bits, "kl": scores}, indent=1))
     return bits

@@ -21,8 +21,6 @@ kvquant's and minikv's calibrations.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,22 +74,15 @@ def measure(model, ids: torch.Tensor) -> torch.Tensor:
 
 def load_or_measure(model, calibration_text: Callable[[], str]) -> torch.Tensor:
     """``model``'s retention curves, from the cache folder or measured now on ``calibration_text()``."""
-    from transformers import AutoTokenizer
+    from kvopt.models.loading import calibration_path, model_tokenizer
 
-    from kvopt.models.loading import cache_dir
-
-    source = getattr(model, "name_or_path", "") or ""
-    params = [FORMAT, source, model.config.to_json_string(), WINDOW, KERNEL, TOKENS, PASSAGES, POINTS]
-    path = cache_dir() / "xkv" / f"{hashlib.sha256(json.dumps(params).encode()).hexdigest()[:16]}.pt"
+    path = calibration_path("xkv", model, [WINDOW, KERNEL, TOKENS, PASSAGES, POINTS], version=(FORMAT,))
     if path.exists():
         return _load(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError):
-        raise MethodParameterError(
-            "budgets=xkv measures the layer sensitivity on real text and needs the model's tokenizer (load the model "
-            "from a folder, or set method.retention = kvopt.methods.xkv_calibration.measure(model, ids))"
-        ) from None
+    tokenizer = model_tokenizer(
+        model, "budgets=xkv measures the layer sensitivity on real text and needs the model's tokenizer (load the "
+        "model from a folder, or set method.retention = kvopt.methods.xkv_calibration.measure(model, ids))",
+    )  # fmt: skip
     length = min(TOKENS, getattr(model.config, "max_position_embeddings", None) or TOKENS)
     ids = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     passages = min(PASSAGES, ids.numel() // length)
@@ -101,7 +92,7 @@ def load_or_measure(model, calibration_text: Callable[[], str]) -> torch.Tensor:
     chosen = ids[ids.numel() - passages * length :].reshape(passages, length)
     retention = measure(model, chosen.to(model.device)).cpu()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"retention": retention, "model": source}, path)
+    torch.save({"retention": retention, "model": model.name_or_path}, path)
     return _load(path)
 
 

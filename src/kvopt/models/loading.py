@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFoundError
+from kvopt.errors import DefaultModelMissingError, MethodParameterError, ModelFileError, ModelNotFoundError
 from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.cpu_features import model_dtype
@@ -47,6 +47,16 @@ MISSING = "missing"
 def cache_dir() -> Path:
     """Where converted models live: ``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), created if missing."""
     return writable_folder(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt", "KVOPT_CACHE")
+
+
+def calibration_path(folder: str, model, settings: list, suffix: str = ".pt", version: tuple = ()) -> Path:
+    """Where a method keeps its calibration of ``model``: ``$KVOPT_CACHE/<folder>/<key><suffix>``. The key digests
+    the calibration's ``version``, the model's folder and configuration, and the ``settings`` the calibration
+    depends on (in that order: the names of files already kept stay valid), so a change to any calibrates anew."""
+    source = getattr(model, "name_or_path", "") or ""
+    params = [*version, source, model.config.to_json_string(), *settings]
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / folder / f"{key}{suffix}"
 
 
 def default_gguf_path() -> Path:
@@ -291,4 +301,20 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
         ) from None
     if tokenizer.pad_token is None:  # batched prompts need one; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_tokenizer(model, needed: str):
+    """The tokenizer saved with ``model`` (in the folder it was loaded from), for methods that calibrate on real
+    text in the model's own tokens; without a usable one (none there, or more tokens than the model embeds), a
+    :class:`MethodParameterError` saying ``needed``: why the method needs it and what to do instead."""
+    from transformers import AutoTokenizer
+
+    source = getattr(model, "name_or_path", "") or ""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True) if source else None
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is None or len(tokenizer) > model.config.get_text_config().vocab_size:
+        raise MethodParameterError(needed)
     return tokenizer
