@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import frontier
 import twobit
+from sections import opening, row_dates
 
 ROWS = Path(__file__).parent / "results" / "accelerator.jsonl"
 MODEL = frontier.MODEL
@@ -241,8 +242,9 @@ def render(rows: list[dict]) -> str:
     lines = [
         f"## On a GPU: the timed targets of #16 and #17, the fused quantized kernel ({first['device']})",
         "",
-        f"`python benchmarks/accelerator.py --device cuda` (rows: `benchmarks/results/accelerator.jsonl`), {MODEL} "
-        f"(fp32), {first['device']}, torch {first['torch']}, transformers {first['transformers']}, {first['date']}; "
+        opening("python benchmarks/accelerator.py --device cuda", row_dates(ROWS), ROWS),
+        "",
+        f"{MODEL} (fp32), {first['device']}, torch {first['torch']}, transformers {first['transformers']}; "
         "batch 1 unless a table says otherwise, eager attention through kvopt's caches, the GPU synchronized before each clock read; "
         "interleaved repeats, medians. The same code and prompts as the CPU sections above; on the CPU a decode "
         "step is bound by the weights and by arithmetic, here by kernel launches and memory traffic.",

@@ -158,6 +158,8 @@ def streaming_perplexity(folder: Path) -> Finding:
 #: benchmarks/twobit.py's grid under a model's rows folder: its raw rows and the plan they fill.
 TWO_BIT_GRID, TWO_BIT_PLAN = "twobit", "plan.json"
 PROSE_TASKS = ("prose_needle", "prose_multikey")
+#: Every rows file of a model's folder the headlines read (for the days they were measured).
+FILES = (EVAL, CHECK, MEMORY, LOSSLESS, f"{TWO_BIT_GRID}/{EVAL}")
 
 
 def two_bit_keeps(folder: Path) -> Finding:

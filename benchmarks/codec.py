@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvopt.models.forward import cache_kwargs
+from sections import opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "codec.jsonl"
@@ -164,15 +165,17 @@ def render(rows: list[dict]) -> str:
     if not rows:
         return ""
     first = rows[0]
+    commands = ["python benchmarks/codec.py", *(["python benchmarks/codec.py --accuracy"] if scores else [])]
     lines = [
-        "## KV cache codec (`kvopt.save_cache` / `kvopt.load_cache`)",
+        "## KV cache codec: `kvopt.save_cache` and `kvopt.load_cache`",
+        "",
+        opening(commands, row_dates(ROWS), ROWS),
         "",
         f"{first['model']}, a {first['prompt_tokens']:,}-token prompt of real local text ({first['text']}); the perplexity "
         f"gap is measured on the next {first['held_out_tokens']} tokens fed after the decoded cache ({first['chunk']} at a "
         "time), relative to the lossless `raw` file of the same method. Sizes are whole files (header, positions, "
         "scales included); `vs fp16` compares with the raw file holding its floating K/V in fp16. "
-        f"Encode/decode: median of {first['repeats']}, {first['conditions']}. Measured {first['date']} "
-        "(`python benchmarks/codec.py`).",
+        f"Encode/decode: median of {first['repeats']}, {first['conditions']}.",
         "",
         "| method | encoding | bytes/token | vs raw | vs fp16 | encode ms | load ms (prefill ms) | ppl | gap |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",

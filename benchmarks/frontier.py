@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from kvopt.eval.report import KEPT_RULE
+from sections import opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "frontier.jsonl"
@@ -358,7 +359,9 @@ def render(rows: list[dict]) -> str:
     lines = [
         "## Methods that cut time: FastKV prefill, RocketKV decode, TreeKV streaming, a prefill-cheap rival to KVzip",
         "",
-        f"`python benchmarks/frontier.py` (rows: `benchmarks/results/frontier.jsonl`), {MODEL} (fp32), {CONDITIONS}. "
+        opening("python benchmarks/frontier.py", row_dates(ROWS), ROWS),
+        "",
+        f"{MODEL} (fp32), {CONDITIONS}. "
         "Accuracy: share of prompts answered, with its 95% Wilson interval; `kept` is the share of `full`'s correct "
         f"answers the method also gives, on the same prompts, with its 95% Wilson interval. {KEPT_RULE}",
         "",

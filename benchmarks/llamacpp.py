@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import serving
 import torch
+from sections import opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "llamacpp" / "rows.jsonl"
@@ -403,9 +404,9 @@ def render(rows: list[dict]) -> str:
     """Markdown for the committed rows (``committed_section`` in benchmarks/run.py)."""
     threads = "/".join(str(count) for count in sorted({row["threads"] for row in rows}))
     lines = [f"## llama.cpp as a peer (llama-cpp-python, {threads} thread(s))", "",
-             "Rows: `benchmarks/results/llamacpp/rows.jsonl`, made by `python benchmarks/llamacpp.py`. Weights: the "
-             "default model's GGUF (Q4_1) and an F16 re-type of it; prompts of local real text as token ids, greedy, "
-             "EOS ignored.", ""]  # fmt: skip
+             opening("python benchmarks/llamacpp.py --kvopt fp32,auto", row_dates(ROWS), ROWS), "",
+             "Weights: the default model's GGUF (Q4_1) and an F16 re-type of it; prompts of local real text as token "
+             "ids, greedy, EOS ignored.", ""]  # fmt: skip
     singles = [row for row in rows if row["step"] == "single"]
     if singles:
         lines += ["### One request at a time", "", "| weights | KV | prompt tokens | prefill tok/s | decode tok/s |",

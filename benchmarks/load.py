@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from sections import opening, row_dates
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "load.jsonl"
 SYSTEMS = "kvopt:full;kvopt:snapkv:ratio=0.5;transformers;transformers-cb"
@@ -226,8 +228,8 @@ def section(path: Path = ROWS) -> list[str]:
     pools = sorted({row["kv_memory"] for row in rows if "kv_memory" in row})
     lines = [
         "", "## `kvopt serve` under load: concurrent streaming clients over loopback", "",
-        f"Measured {' / '.join(sorted({r['date'] for r in rows}))} with `python benchmarks/load.py` (rows: "
-        "`benchmarks/results/load.jsonl`). All clients start at once, each streaming one `/v1/completions` request "
+        opening("python benchmarks/load.py", row_dates(path), path), "",
+        "All clients start at once, each streaming one `/v1/completions` request "
         "(greedy, `max_tokens` new tokens, `ignore_eos` where the server has it) with a prompt of local real text "
         "(lengths drawn uniformly from the range shown); the default model (fp32), server and clients on the same "
         f"2 CPU cores, the server with {' / '.join(sorted({str(r.get('threads', '?')) for r in rows}))} torch "

@@ -42,11 +42,12 @@ import tiers
 import torch
 import twobit
 import transformers
+from sections import opening, row_dates
 
 from kvopt.api import load_model
 from kvopt.eval.bench import run_bench
 from kvopt.eval.contenders import parse_contender, split_specs
-from kvopt.eval.report import PLACEHOLDERS, keep_sections, write_report
+from kvopt.eval.report import KEPT_NOTE, PLACEHOLDERS, keep_sections, write_report
 from kvopt.eval.decoding import QUERY_AGNOSTIC, QUERY_AWARE
 from kvopt.eval.runner import EvalGrid, run_eval
 from kvopt.models.loading import load_config, resolve_model_dir
@@ -118,7 +119,8 @@ def load_times() -> tuple[float, float]:
         return run(), run()
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line; its defaults are the settings the default model's part of the report describes."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Committed beside BENCHMARKS.md, so another machine can re-compose the report or resume a step.
     parser.add_argument("--model", default=None,
@@ -158,6 +160,11 @@ def main() -> None:
         help=f"comma-separated subset of the default ({ALL_STEPS}; with --model {SECOND_MODEL_STEPS}), "
         "or none: compose BENCHMARKS.md from the committed rows",
     )  # fmt: skip
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = with_model_defaults(parser.parse_args())
     args.results.mkdir(parents=True, exist_ok=True)  # a second model's first run has no rows folder yet
     second = args.model is not None
@@ -351,7 +358,7 @@ def memory_check(loaded, specs: list[str], length: int, results: Path) -> None:
     (results / CHECK_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def check_section(results: Path) -> list[str]:
+def check_section(results: Path, model: str | None = None) -> list[str]:
     path = results / CHECK_FILE
     if not path.exists():
         return []
@@ -360,6 +367,8 @@ def check_section(results: Path) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     lines = [
         f"## Measured KV bytes vs the theoretical size ({rows[0]['length']}-token prefill)",
+        "",
+        opening(command(model, ["check"]), row_dates(path), path),
         "",
         "Bytes of the tensors each cache holds right after the prefill (kvopt: positions, validity bits and "
         "buffer slack included) vs `kvopt memory --method`'s theoretical size (the budget's tokens at full "
@@ -433,6 +442,8 @@ def memory_section(results: Path, model: str | None = None) -> list[str]:
     lines = [
         "## Quantized caches: bytes, decode speed and peak memory (vs HF QuantizedCache)",
         "",
+        opening(command(model, ["memory"]), row_dates(path), path),
+        "",
         f"One fresh process per run, median of {max(len(g) for g in grouped.values())} runs per length and method "
         "(methods interleaved within each round); KV bytes measured from the tensors after the prompt and "
         f"{rows[0]['new_tokens']} decoded tokens; fp16-equivalent = a full cache stored in fp16 "
@@ -484,49 +495,121 @@ def save_timings(results: Path, timings: dict[str, float]) -> None:
 
 
 def compose(args) -> None:
-    """BENCHMARKS.md = set-up and load times + the report, with plot links pointing into benchmarks/report/.
-
-    ``args`` are the default model's settings (its grid is described with them). After the default
-    model's sections: "What holds on both models" at the top, and a part per second model found in
-    benchmarks/results/<model>/. When the results folder lacks some results (a step re-run alone, on
-    a machine without the earlier results), the sections it has no results for are kept from the
-    previous BENCHMARKS.md, marked as such, with their step timings; a complete folder rewrites the
-    whole file.
-    """
-    report_dir = ROOT / "benchmarks" / "report"
+    """Write BENCHMARKS.md (:func:`composed`, its plots into benchmarks/report/) and drop the plots it no longer links."""
     target = ROOT / "BENCHMARKS.md"
-    previous = target.read_text() if target.exists() else ""
-    previous_header, _, previous_body = previous.partition(f"\n{TITLE}\n")
-    # The summary is always recomputed from every model's rows, so never kept from the previous report.
-    previous_report = re.sub(rf"^{SUMMARY}\n.*?(?=^## |\Z)", "", f"{TITLE}\n{previous_body}", flags=re.S | re.M)
+    text = composed(args, PLOTS, target.read_text() if target.exists() else "")
+    target.write_text(text)
+    for plot in PLOTS.rglob("*.png"):  # plots of sections neither regenerated nor kept
+        if str(plot.relative_to(ROOT)) not in text:
+            plot.unlink()
+    print(text)
+
+
+def composed(args, plots: Path, previous: str) -> str:
+    """BENCHMARKS.md from the committed rows: the title and the machine, "What holds on both models" first, a table
+    of contents, then every section, each opening with the command that regenerates it and the days its rows were
+    measured (:func:`sections.opening`).
+
+    ``args`` are the default model's settings (its grid is described with them); the plots are drawn into
+    ``plots`` and linked under benchmarks/report/. After the default model's sections, a part per second model
+    found in benchmarks/results/<model>/. When the results folder lacks some results (a step re-run alone, on a
+    machine without the earlier results), the sections it has no results for are kept from ``previous`` (the
+    earlier BENCHMARKS.md), marked as such, with their step timings; a complete folder rewrites every section.
+    """
     timings = load_timings(args.results)
-    report = model_report(args.results, report_dir, TITLE.removeprefix("# "))
+    report = model_report(args.results, plots)
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
              *committed_section(frontier), *committed_section(twobit), *committed_section(llamacpp),
              *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
-        extra += second_model_part(name, folder, report_dir)
+        extra += second_model_part(name, folder, plots)
     body, kept = report + "\n".join(extra), []
-    if not complete(args.results):  # a partial run: keep what it lacks
-        body, kept = keep_sections(body, previous_report)
+    if not complete(args.results):  # a partial run: keep what it lacks (the summary and set-up are always recomputed)
+        body, kept = keep_sections(body, re.sub(section_pattern(SUMMARY, SETUP), "", previous, flags=re.S | re.M))
+        body = KEPT.sub(r"\1\3\2", body)  # the kept note below the section's opening line
     if kept:  # the kept sections' step timings too
-        timings = {**previous_timings(previous_header), **timings}
+        timings = {**previous_timings(previous), **timings}
+    first = body.index("\n## ")
+    preamble, body = body[:first].partition("\n\n")[2], body[first + 1 :]  # the report's preamble, below its title
     eval_rows = args.results / "eval.jsonl"
     if kept and (not eval_rows.exists() or not eval_rows.read_text().strip()):
         # The report's summary lines describe the eval results; here those are the kept ones.
-        body = previous_report.split("\n## ")[0] + body[body.index("\n## ") :]
-    summary = both_models.section([(DEFAULT_MODEL, args.results), *seconds])
-    first_section = body.index("\n## ")
-    body = body[:first_section] + "\n" + "\n".join(summary) + body[first_section:]
-    header = [
+        earlier = re.search(r"^- Results: .*?^> .*?\n", previous, flags=re.S | re.M)
+        preamble = earlier.group(0) if earlier else preamble
+    summary = summary_section([(None, args.results), *seconds])
+    setup = setup_section(args, timings, preamble)
+    intro = [
+        TITLE,
+        "",
         "<!-- Generated by `make bench` (benchmarks/run.py); do not edit by hand. -->",
         "",
         f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}. "
         f"Model: {DEFAULT_MODEL} (embedded default, fp32)"
         + "".join(f"; second model: {name} (its own part below)" for name, _ in seconds)
         + ". Peers run in the same process, on the same prompts.",
+        "",
+    ]
+    return "\n".join([*intro, *summary, *contents("\n".join([*summary, *setup, body])), *setup, body])
+
+
+#: The default model's section on how its grid ran (step times, load time, settings), after the summary.
+SETUP = "## Set-up: step times, load time and the grid"
+PLOTS = ROOT / "benchmarks" / "report"
+#: A section kept from an earlier run: its heading, the note :func:`keep_sections` puts under it, its opening line.
+KEPT = re.compile(rf"^(## .*\n\n)({re.escape(KEPT_NOTE)}\n\n)(.*\n\n)", re.M)
+
+
+def section_pattern(*headings: str) -> str:
+    """A regex (re.S | re.M) for the ``## `` sections with these headings, each up to the next one."""
+    return rf"^(?:{'|'.join(map(re.escape, headings))})\n.*?(?=^## |\Z)"
+
+
+def contents(text: str) -> list[str]:
+    """The table of contents: a link to every ``## `` section of ``text``."""
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    return ["**Contents**", "", *(f"- [{heading}](#{anchor(heading)})" for heading in headings), ""]
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lowercase, punctuation dropped, each space a hyphen. mkdocs (the docs
+    site includes BENCHMARKS.md) collapses runs of spaces and hyphens; no heading here has one (tested)."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def opened(lines: list[str], line: str) -> list[str]:
+    """A section's lines (heading, blank, the rest) with ``line`` as its first paragraph."""
+    return [lines[0], "", line, *lines[1:]]
+
+
+def command(model: str | None = None, steps: list[str] | tuple[str, ...] = ()) -> str:
+    """The run.py command that measures ``steps`` (those ``model`` runs; every step when none is named) of
+    ``model`` (None: the default model)."""
+    runs = (SECOND_MODEL_STEPS if model else ALL_STEPS).split(",")
+    chosen = ",".join(step for step in steps if step in runs)
+    return "python benchmarks/run.py" + (f" --model {model}" if model else "") + (f" --steps {chosen}" if chosen else "")
+
+
+def summary_section(models: list[tuple[str | None, Path]]) -> list[str]:
+    """"What holds on both models" over ``(model, rows folder)`` pairs (None: the default model), opening with the
+    commands that measure each model's rows and the days they were measured."""
+    lines = both_models.section([(model or DEFAULT_MODEL, folder) for model, folder in models])
+    if not lines:
+        return []
+    dates = [day for _, folder in models for name in both_models.FILES for day in row_dates(folder / name)]
+    return opened(lines, opening([command(model) for model, _ in models], dates, [folder for _, folder in models]))
+
+
+def setup_section(args, timings: dict[str, float], preamble: str) -> list[str]:
+    """How the default model's grid was run: its rows, the step times, the load time and the grid's settings."""
+    rows = [args.results / name for name in (*RESULT_FILES, both_models.LOSSLESS)]
+    return [
+        SETUP,
+        "",
+        opening(command(), [day for path in rows for day in row_dates(path)], args.results),
+        "",
+        preamble.strip(),
         "",
         "| step | wall time |",
         "|---|---:|",
@@ -556,19 +639,42 @@ def compose(args) -> None:
         f"decoded tokens, median of {args.repeats}.",
         "",
     ]
-    target.write_text("\n".join(header) + body)
-    for plot in report_dir.rglob("*.png"):  # plots of sections neither regenerated nor kept
-        if str(plot.relative_to(ROOT)) not in body:
-            plot.unlink()
-    print(target.read_text())
 
 
-def model_report(results: Path, report_dir: Path, title: str) -> str:
-    """The evaluation report of one rows folder, its plot links relative to the repository root."""
-    report = write_report(results, report_dir, title=title).read_text()
-    (report_dir / "REPORT.md").unlink()
+#: Each section of the evaluation report (kvopt.eval.report): the run.py steps that make its rows, their file, and
+#: the field its rows have (None: every row). Without bench rows, the memory plot shows the accuracy rows' peaks.
+ACCURACY = (("agnostic", "long", "aware"), "eval.jsonl", "score")
+REPORT_SECTIONS = {
+    "Accuracy": ACCURACY,
+    "Share of the full cache's answers kept": (("agnostic", "retention"), "eval.jsonl", "score"),
+    "Perplexity": (("ppl", "quant-ppl"), "eval.jsonl", "ppl"),
+    "Speed": (("bench", "speed"), "bench.jsonl", None),
+    "Plots": ACCURACY,  # without matplotlib
+    "Plots: accuracy": ACCURACY,
+    "Plots: memory and speed": (("bench", "speed"), "bench.jsonl", None),
+}
+
+
+def model_report(results: Path, plots: Path, model: str | None = None) -> str:
+    """The evaluation report of one rows folder (a second ``model``'s plots in their own folder): its title and
+    preamble (rows, tasks, the intervals' caveat), then its sections, each opening with the command that measures
+    its rows; plot links relative to the repository root."""
+    folder = plots if model is None else plots / results.name
+    report = write_report(results, folder, title=model or DEFAULT_MODEL).read_text()
+    (folder / "REPORT.md").unlink()
     report = report.replace(f"{ROOT}/", "")
-    return re.sub(r"\]\((?!https?:)([^)]+\.png)\)", rf"]({report_dir.relative_to(ROOT)}/\1)", report)
+    link = PLOTS.relative_to(ROOT).as_posix() + ("" if model is None else f"/{results.name}")
+    report = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", rf"]({link}/\1)", report)
+    preamble, _, sections = report.partition("\n## ")
+    opened_sections = []
+    for section in filter(None, re.split(r"^(?=## )", f"## {sections}", flags=re.M)):
+        steps, name, field = REPORT_SECTIONS[section.partition("\n")[0].removeprefix("## ")]
+        if not (results / name).exists():
+            steps, name, field = ACCURACY
+        dates = row_dates(results / name, lambda row: field is None or row.get(field) is not None)
+        lines = opened(section.split("\n"), opening(command(model, steps), dates, results / name))
+        opened_sections.append("\n".join(lines))
+    return preamble + "\n" + "".join(opened_sections)
 
 
 MODEL_FILE = "model.json"
@@ -581,20 +687,22 @@ def second_models() -> list[tuple[str, Path]]:
     return [(json.loads((folder / MODEL_FILE).read_text())["model"], folder) for folder in folders]
 
 
-def second_model_part(name: str, folder: Path, report_dir: Path) -> list[str]:
+def second_model_part(name: str, folder: Path, plots: Path) -> list[str]:
     """A second model's sections under one heading (``## Second model: ...``), each one level down."""
-    report = model_report(folder, report_dir / folder.name, name)
-    sections = [*report[report.index("\n## ") + 1 :].splitlines(), "", *check_section(folder),
+    report = model_report(folder, plots, name)
+    sections = [*report[report.index("\n## ") + 1 :].splitlines(), "", *check_section(folder, name),
                 *memory_section(folder, name), *committed_section(twobit, folder / twobit.ROWS.name)]  # fmt: skip
     # Sections this folder has no rows for (a placeholder line) are left out rather than shown empty.
     parts = re.split(r"^(?=## )", "\n".join(sections), flags=re.M)
     sections = "".join(part for part in parts if not any(text in part for text in PLACEHOLDERS)).splitlines()
     timings = load_timings(folder)
+    dates = [day for path in sorted(folder.glob("*.jsonl")) for day in row_dates(path)]
     lines = [
         f"## Second model: {name}",
         "",
-        "The default model's grid on a larger model (" + describe_rows(folder) + "); commands: "
-        f"`python benchmarks/run.py --model {name}` (steps resumable: rows in `{folder.relative_to(ROOT)}/`).",
+        opening(command(name), dates, folder),
+        "",
+        "The default model's grid on a larger model (" + describe_rows(folder) + "), its steps resumable.",
         "",
     ]
     if timings:
@@ -631,11 +739,13 @@ def committed_section(step, path: Path | None = None) -> list[str]:
     return [*step.render(rows).splitlines(), ""] if rows else []
 
 
-def previous_timings(header: str) -> dict[str, float]:
-    """Step timings (seconds) from an earlier BENCHMARKS.md's header, for the sections it keeps."""
-    rows = re.findall(r"^\| (.+?) \| ([\d.]+) min \|$", header, re.M)
+def previous_timings(previous: str) -> dict[str, float]:
+    """Step timings (seconds) from an earlier BENCHMARKS.md's set-up section, for the sections it keeps."""
+    found = re.search(section_pattern(SETUP), previous, flags=re.S | re.M)
+    setup = found.group(0) if found else ""
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) min \|$", setup, re.M)
     timings = {name: float(minutes) * 60 for name, minutes in rows}
-    load = re.search(r"cold ([\d.]+) s .*warm ([\d.]+) s", header)
+    load = re.search(r"cold ([\d.]+) s .*warm ([\d.]+) s", setup)
     if load:
         timings |= {"load cold s": float(load.group(1)), "load warm s": float(load.group(2))}
     return timings

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from sections import opening, row_dates
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "serving.jsonl"
 STEPS = ("throughput", "prefix", "capacity", "latency", "speculative")
@@ -428,14 +430,13 @@ def section(path: Path = ROWS) -> list[str]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     timed = {row["timed"]: row for row in rows if row["step"] == "timing"}
-    lines = ["", "## Serving engine: `kvopt.LLM` next to HF", ""]
-    if timed:
-        dates = sorted({row["date"] for row in timed.values()})
-        minutes = ", ".join(f"{step} {row['seconds'] / 60:.1f} min" + (f" with transformers {row['transformers']}"
-                            if "transformers" in row else "") for step, row in timed.items())  # fmt: skip
-        lines += [f"Measured {' / '.join(dates)} with `python benchmarks/serving.py` (rows: "
-                  f"`benchmarks/results/serving.jsonl`; {minutes}). Default model (fp32), 2 threads, greedy, "
-                  "every system in one process on the same prompts of local real text.", ""]  # fmt: skip
+    minutes = ", ".join(f"{step} {row['seconds'] / 60:.1f} min" + (f" with transformers {row['transformers']}"
+                        if "transformers" in row else "") for step, row in timed.items())  # fmt: skip
+    dates = row_dates(path, lambda row: row["step"] == "timing")  # the other rows carry no date
+    lines = ["", "## Serving engine: `kvopt.LLM` next to HF", "",
+             opening("python benchmarks/serving.py", dates, path, minutes), "",
+             "Default model (fp32), 2 threads, greedy, every system in one process on the same prompts of local real "
+             "text.", ""]  # fmt: skip
     lines += _throughput_lines([r for r in rows if r["step"] == "throughput"])
     lines += _prefix_lines([r for r in rows if r["step"] == "prefix"])
     lines += _capacity_lines([r for r in rows if r["step"] == "capacity"])

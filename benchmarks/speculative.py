@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from sections import opening, row_dates
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "speculative.jsonl"
 SPECULATE = "prompt_lookup:k=4"
@@ -134,8 +136,10 @@ def render(rows: list[dict]) -> str:
     lines = [
         "## Speculative decoding (single sequence)",
         "",
+        opening("python benchmarks/speculative.py", row_dates(ROWS), ROWS),
+        "",
         (
-            f"`python benchmarks/speculative.py`: {rows[0]['model']}, greedy, {rows[0]['new_tokens']} new tokens, "
+            f"{rows[0]['model']}, greedy, {rows[0]['new_tokens']} new tokens, "
             f"median of {rows[0]['repeats']} interleaved runs, "
             f"{rows[0]['conditions']}. kvopt: `kvopt.generate(..., speculate=...)` with the proposer shown (adaptive: "
             "drafting pauses while rounds emit tokens slower than plain steps) against plain decoding through the same "

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from sections import opening, row_dates
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "tiers.jsonl"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -122,7 +124,8 @@ def render(rows: list[dict]) -> str:
     lines = [
         "## KV tiers: a seen prompt after a restart, on another replica, or pushed out of the pool",
         "",
-        f"Measured {first['date']} with `python benchmarks/tiers.py` (rows: `benchmarks/results/tiers.jsonl`). "
+        opening("python benchmarks/tiers.py", row_dates(ROWS), ROWS),
+        "",
         f"Default model (fp32), a {first['prompt_tokens']:,}-token prompt of local real text seen before, "
         f"`kv_memory={first['kv_memory']}`, tiers encoded `raw`; time to first token, median of "
         f"{max(r['repeat'] for r in rows) + 1}, methods interleaved; "

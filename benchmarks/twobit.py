@@ -31,6 +31,7 @@ import torch
 
 from kvopt.eval.contenders import parse_contender
 from kvopt.methods import available
+from sections import opening, row_dates
 
 RESULTS = Path(__file__).parent / "results"
 ROWS = RESULTS / "twobit.jsonl"
@@ -151,11 +152,15 @@ def render(rows: list[dict]) -> str:
         return ""
     full = summary.get("full")
     fp16 = full["bytes_per_token_fp16_4k"] if full else None
+    model = None if meta["model"] == DEFAULT_MODEL else meta["model"]
+    path = paths_for(model)[0]
     lines = [
         "## 2-bit KV: kvquant and aquakv (pre-RoPE keys, non-uniform levels, exact outliers, cross-layer prediction)",
         "",
+        opening("python benchmarks/twobit.py" + (f" --model {model}" if model else ""), row_dates(path), path),
+        "",
         (
-            f"`python benchmarks/twobit.py{'' if meta['model'] == DEFAULT_MODEL else ' --model ' + meta['model']}`: {meta['model']}, {', '.join(meta['tasks'])} at "
+            f"{meta['model']}, {', '.join(meta['tasks'])} at "
             f"{', '.join(map(str, meta['lengths']))} tokens, {meta['prompts_per_cell']} prompts per task and length "
             f"(needle depths x samples), query-agnostic; streaming perplexity over {meta['ppl_tokens']} tokens of "
             f"{meta['text_source']} in chunks of {meta['ppl_chunk']}; {meta['conditions']}. "
