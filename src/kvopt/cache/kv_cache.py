@@ -10,13 +10,23 @@ from typing import TYPE_CHECKING
 from transformers.cache_utils import Cache
 
 from kvopt.cache.attention import ATTENTION_NAME, prepare
-from kvopt.cache.layer import KVLayer
+from kvopt.cache.layer import AttentionStep, KVLayer
 from kvopt.errors import CacheUsageError, ContextTooLongError
 from kvopt.models.forward import cache_kwargs, final_states
 from kvopt.models.info import ModelInfo
 
 if TYPE_CHECKING:
     from kvopt.methods.base import Method
+
+
+#: Where a recording cache (:func:`kvopt.methods.recording.record_prefill`) keeps each layer's prefill step in
+#: :attr:`KVLayer.state`: what :meth:`KVCache.replay_prefill` runs the replaying cache's methods on.
+RECORDED_PREFILL = "recorded prefill"
+
+
+def recorded_step(layer: KVLayer) -> AttentionStep | None:
+    """The prefill step a recording cache kept in ``layer`` (its queries), or None."""
+    return layer.state.get(RECORDED_PREFILL)
 
 
 @dataclass(frozen=True)
@@ -143,13 +153,20 @@ class KVCache(Cache):
                 f"{shaping[0]} changes the prefill itself, so a recorded lossless prefill cannot stand for it; "
                 "prefill this cache directly (model(ids, past_key_values=cache))"
             )
-        layers = source.layers
-        if len(layers) != len(self.layers) or any(layer.recorded_prefill is None for layer in layers):
+        steps = [recorded_step(layer) for layer in source.layers]
+        if len(steps) != len(self.layers) or any(step is None for step in steps):
             raise CacheUsageError(
                 "replay_prefill needs a cache filled by kvopt.methods.recording.record_prefill on the same model"
             )
-        for layer, done in zip(self.layers, source.layers):
-            layer.replay_prefill(done)
+        for layer, done, step in zip(self.layers, source.layers, steps):
+            # Methods act after attention, so a one-pass prefill's outputs never depend on them: a copy of the
+            # recorded tokens, acted on, equals prefilling this layer directly.
+            if layer.seen or not step.is_prefill:
+                raise CacheUsageError("replay_prefill needs an empty cache and a recorded one-pass prefill")
+            layer.dtype, layer.device, layer.is_initialized = done.dtype, done.device, True
+            layer.store = done.store.clone()
+            layer.seen, layer.seen_real = done.seen, done.seen_real
+            layer.act(step)
         self.prompt_states = source.prompt_states if self.reads_prompt_states else None
 
     @property

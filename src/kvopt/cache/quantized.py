@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from kvopt.cache import quant
 from kvopt.cache.attention_math import attention_with_lse, merge_with_lse, visibility
 from kvopt.cache.part import tensor_bytes
 from kvopt.cache.positions import TokenIndex
+
+if TYPE_CHECKING:
+    from kvopt.cache.layer import KVLayer
 
 #: Elements (batch x KV heads x tokens x head dim) of keys, and of values, dequantized at once by
 #: attention: bounds the transient full-precision copy whatever the batch and head shape (its
@@ -117,6 +121,24 @@ class QuantizedKV:
             key_codes = quant.quantize(_per_token_groups(keys, group), bits, dim=-1, pack_dim=PACK_AXIS)
         value_codes = quant.quantize(_per_token_groups(values, group), bits, dim=-1, pack_dim=PACK_AXIS)
         return cls(key_codes, value_codes, TokenIndex.of(positions, valid), group, key_mode, keys.dtype)
+
+    @classmethod
+    def move_oldest(cls, layer: KVLayer, count: int, bits: int, group: int, key_mode: str = "channel") -> None:
+        """Quantize the ``count`` oldest tokens of ``layer``'s dense store (whole groups) into its quantized parts."""
+        store = layer.store
+        cls.encode(
+            store.keys[:, :, :count], store.values[:, :, :count], store.positions[:, :, :count],
+            store.valid[:, :, :count], bits, group, key_mode,
+        ).add_to(layer)  # fmt: skip
+        store.drop_oldest(count)
+
+    def add_to(self, layer: KVLayer) -> None:
+        """Hold these tokens in ``layer``: appended to its part of the same format, or as a new part."""
+        for part in layer.parts_of(QuantizedKV):
+            if part.same_format(self):
+                part.extend(self)
+                return
+        layer.add_part(self)
 
     def __len__(self) -> int:
         return self.index.length

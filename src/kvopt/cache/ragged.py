@@ -15,6 +15,7 @@ across heads; each segment is dequantized when attention reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,11 @@ from kvopt.cache import quant
 from kvopt.cache.attention_math import attention_with_lse, visibility
 from kvopt.cache.part import tensor_bytes
 from kvopt.cache.quant import QuantizedGroups
+from kvopt.cache.storage import DenseKVStore
+from kvopt.errors import CacheUsageError
+
+if TYPE_CHECKING:
+    from kvopt.cache.layer import KVLayer
 
 #: Rows of a ragged part: ``[tokens, dim]`` at full precision, or quantized per token (``[tokens, dim / G, G]``).
 Rows = torch.Tensor | QuantizedGroups
@@ -55,6 +61,16 @@ class RaggedKV:
         offsets = torch.zeros(len(selected) + 1, dtype=torch.long, device="cpu")  # read by ``tolist``: no device sync
         offsets[1:] = torch.tensor(lengths, device="cpu").cumsum(0)
         return cls(torch.cat(parts_k), torch.cat(parts_v), torch.cat(parts_p), offsets, batch, heads)
+
+    @classmethod
+    def move_into(cls, layer: KVLayer, selected: list[torch.Tensor]) -> None:
+        """Move ``layer``'s stored tokens at ``selected[b * kv_heads + h]`` into a ragged prefix, emptying its dense
+        store (which receives the later tokens)."""
+        if layer.parts_of(cls):
+            raise CacheUsageError("a layer's tokens can be made ragged once (one head-wise compression per cache)")
+        store = layer.store
+        layer.add_part(cls.gather(store.keys, store.values, store.positions, selected))
+        layer.store = DenseKVStore()
 
     def quantized(self, bits: int, group: int) -> RaggedKV:
         """The same segments with keys and values quantized per token, in groups of ``group`` channels."""

@@ -46,6 +46,10 @@ class SeamLayer(CacheLayerMixin):
             raise CacheUsageError("kvopt attention received values that this cache layer did not hand out")
         self._parked = None
 
+    def drop_parked(self) -> None:
+        """Forget keys parked by an ``update`` whose attention call never came (a forward that failed)."""
+        self._parked = None
+
     def get_seq_length(self) -> int:
         return self.seen
 

@@ -222,6 +222,14 @@ class DenseKVStore:
         if self.capacity > len(self) + 2 * slack_tokens(len(self)):
             self._reallocate(len(self))
 
+    def forget_before(self, position: int) -> None:
+        """Forget the tokens at sequence indices before ``position`` (what a sliding window never reads again), while
+        the heads hold the same tokens (else the attention mask still applies the window)."""
+        if self.heads_aligned:
+            stale = int((self.positions[0, 0] < position).sum())
+            if stale:
+                self.drop_oldest(stale)
+
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the slots at ``indices`` (``[batch, kv_heads or 1, kept]``, live-range offsets).
 

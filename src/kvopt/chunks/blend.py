@@ -14,7 +14,7 @@ the text before them, so some of their tokens are recomputed, and which ones is 
   open the prompt (its spurious attention sinks) and the new text are recomputed through all layers.
 
 Recomputed tokens attend causally to everything before them, reused and recomputed alike: the
-model's own decoder layers run on them alone (the hooks and :class:`~kvopt.cache.layer.Propagated` FastKV
+model's own decoder layers run on them alone (the hooks and :class:`~kvopt.methods.fastkv.Propagated` FastKV
 uses), over a layer storage holding the reused tokens as one more part at their global positions.
 The result is an ordinary :class:`~kvopt.cache.kv_cache.KVCache` holding every prompt token but the last:
 ``model.generate(result.input_ids, past_key_values=result.cache)`` computes the last one and continues.
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.api import build_cache
-from kvopt.cache.kv_cache import KVCache
-from kvopt.cache.layer import AttentionStep, Propagated
+from kvopt.cache.kv_cache import RECORDED_PREFILL, KVCache
+from kvopt.cache.layer import AttentionStep
 from kvopt.cache.storage import DenseKVStore
 from kvopt.chunks.store import Chunk, ChunkError, ChunkStore
 from kvopt.methods.base import Method
-from kvopt.methods.fastkv import install
+from kvopt.methods.fastkv import Propagated, install
 from kvopt.models.forward import cache_kwargs
 
 STRATEGIES = ("cacheblend", "epic")
@@ -103,14 +103,13 @@ def propagate(layers, plan: _Plan, chosen: torch.Tensor) -> None:
         return  # every token computed: a full prefill from here on
     columns = chosen.nonzero()[:, 0]
     kept = (~chosen).nonzero()[:, 0]
-    propagated = Propagated(columns[None], plan.width, plan.width, layers[0].index)
     for layer in layers:
         reused = DenseKVStore.wrap(
             plan.keys[layer.index][:, :, kept], plan.values[layer.index][:, :, kept],
             positions=kept.to(torch.int32).view(1, 1, -1),
         )  # fmt: skip
         layer.add_part(reused)
-        layer.propagated = propagated
+    Propagated(columns[None], plan.width, plan.width, layers[0].index).hand_to(layers)
 
 
 def blend(
@@ -220,5 +219,7 @@ def _blend_forward(model, ids: torch.Tensor, plan: _Plan) -> KVCache:
         keys[:, :, columns] = layer.store.keys
         values[:, :, columns] = layer.store.values
         layer.store, layer.parts = DenseKVStore.wrap(keys, values), []
-        layer.recorded_prefill = plan.steps.get(layer.index, AttentionStep(None, keys[:, :0], columns[:0], None, True))
+        layer.state[RECORDED_PREFILL] = plan.steps.get(
+            layer.index, AttentionStep(None, keys[:, :0], columns[:0], None, True)
+        )
     return cache

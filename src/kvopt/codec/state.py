@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.kv_cache import recorded_step
 from kvopt.cache.storage import DenseKVStore
 from kvopt.codec.encodings import DTYPES
 from kvopt.codec.errors import CacheCorruptError
@@ -54,7 +55,7 @@ class Dumper:
     def layer(self, layer, index: int) -> dict:
         if layer.mode is not None:
             raise CacheUsageError(f"cannot save layer {index} during {layer.mode.purpose}; let it finish first")
-        if layer.recorded_prefill is not None:
+        if recorded_step(layer) is not None:
             raise CacheUsageError("a recording cache (record_prefill) cannot be saved; save the cache that replays it")
         self.depth = index / self.layers
         initialized = bool(layer.is_initialized)

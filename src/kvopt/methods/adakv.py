@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import get, register
 from kvopt.methods.budgets import LayerBudgets
@@ -64,7 +65,7 @@ class AdaKV(LayerBudgets):
         if softcap or layer.sliding_window is not None:
             keep_top(layer, scores, targets, self.window)  # ragged storage cannot serve this layer yet
             return
-        layer.to_ragged(allocate(scores, layer.store.valid, targets, self.window, self.alpha))
+        RaggedKV.move_into(layer, allocate(scores, layer.store.valid, targets, self.window, self.alpha))
 
     def score(self, layer, step) -> torch.Tensor:
         return self._scorer.score(layer, step)

@@ -7,7 +7,7 @@ observation window always among them); only those tokens' hidden states, RoPE po
 padding bits flow on. The later layers compute queries, keys, values and MLPs for them alone,
 through the model's own decoder layers: forward pre-hooks (:func:`install`) slice what the
 model hands each later layer, and the cache stores those tokens at their original sequence
-indices (:class:`~kvopt.cache.layer.Propagated`), so decoding continues at the right positions.
+indices (:class:`Propagated`), so decoding continues at the right positions.
 
 The KV budget is decoupled from the propagation, per layer as in the paper's proportional mode:
 every layer keeps ``ratio``'s share of the *prompt* (``budget``: that many tokens), the layers
@@ -28,17 +28,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 import torch
 
-from kvopt.cache.layer import Propagated
-from kvopt.errors import MethodParameterError
+from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.eviction import keep_top
 from kvopt.methods.snapkv import SnapKV
 
 #: Set on a decoder layer once :func:`narrow_inputs` is registered on it.
 HOOKED = "_kvopt_propagation"
+
+
+@dataclass
+class Propagated:
+    """Which tokens of the next forward reach a layer, set as the layer's :attr:`~kvopt.cache.layer.KVLayer.mode`
+    for that forward: :func:`narrow_inputs` hands the layer only those tokens, and its attention stores them at
+    their sequence indices (chunk blending recomputes some tokens the same way, :mod:`kvopt.chunks.blend`)."""
+
+    #: ``[batch, kept]`` columns of the forward's tokens that reach the layer, ascending per row.
+    columns: torch.Tensor
+    #: Tokens in the forward: the sequence indices it consumes, whatever reaches the layer.
+    width: int
+    #: Real (non-padding) tokens of the forward, summed over the batch: the tokens the layer has seen.
+    real: int
+    #: The first layer they reach, whose input hidden states are narrowed to them (later ones get them narrowed).
+    first_layer: int
+    purpose: ClassVar[str] = "a forward only some of whose tokens reach the layer (fastkv, chunk blending)"
+
+    def positions(self, seen: int) -> torch.Tensor:
+        """Sequence indices of the tokens reaching the layer: ``[kept]`` if the rows agree, else ``[batch, kept]``."""
+        positions = (self.columns + seen).to(torch.int32)
+        return positions[0] if bool((positions == positions[:1]).all()) else positions
+
+    def hand_to(self, layers) -> None:
+        """Become the mode of ``layers`` for their next attention call."""
+        for layer in layers:
+            if layer.mode is not None:
+                raise CacheUsageError(f"token-selective propagation cannot run during {layer.mode.purpose}")
+            layer.mode = self
+
+    def attend(self, layer, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
+        """Store the tokens that reached ``layer`` at their sequence indices, counting the whole forward as seen;
+        attend as usual. The layer leaves this mode."""
+        layer.mode = None
+        is_prefill, positions = layer.seen == 0, self.positions(layer.seen)
+        valid = padding[:, -key.shape[-2] :] if padding is not None else None
+        layer.store.append(key, value, layer.seen, valid, positions)
+        layer.seen += self.width
+        layer.seen_real += self.real
+        return layer.attend_stored(module, query, positions, scaling, sliding_window, softcap, is_prefill)
 
 
 @register
@@ -119,10 +159,10 @@ class FastKV(SnapKV):
         chosen |= ~valid & (padding_after <= (places - counts)[:, None])
         columns = chosen.nonzero()[:, 1]
         assert columns.numel() == places * valid.shape[0], "a row lacks the padding to fill its places"
-        propagated = Propagated(columns.view(-1, places), width, int(real.sum()), layer.index + 1)
-        for later in layer.siblings[layer.index + 1 :]:
-            later.propagated = propagated
-            later.state[f"{self.name}.prompt"] = real
+        later = layer.siblings[layer.index + 1 :]
+        Propagated(columns.view(-1, places), width, int(real.sum()), layer.index + 1).hand_to(later)
+        for each in later:
+            each.state[f"{self.name}.prompt"] = real
 
 
 def decoder_layers(model, method: str) -> torch.nn.ModuleList:
@@ -149,8 +189,8 @@ def narrow_inputs(index: int, module, args: tuple, kwargs: dict):
     those of the hidden states (unless an earlier layer did), RoPE tables, position ids and padding mask."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     layers = getattr(cache, "layers", ())
-    propagated = getattr(layers[index], "propagated", None) if index < len(layers) else None
-    if propagated is None:
+    propagated = getattr(layers[index], "mode", None) if index < len(layers) else None
+    if not isinstance(propagated, Propagated):
         return None
     columns = propagated.columns
     batch = columns.shape[0]

@@ -56,7 +56,7 @@ class KIVI(Quantization):
     verifies_at_once = True  # quantization reads the stored tokens only
 
     def speculation_limit(self, layer) -> int | None:
-        """A speculative block ends on the token that fills the residual (see :meth:`KVLayer.quantize_oldest`)."""
+        """A speculative block ends on the token that fills the residual (see :meth:`Quantization.quantize_oldest`)."""
         if layer.sliding_window is not None or any(m.owns_layer(layer.index) for m in layer.methods):
             return None  # left in full precision
         return max(1, max(self.residual, self.group) - len(layer.store))
@@ -90,7 +90,7 @@ class KIVI(Quantization):
             for part in layer.parts_of(RaggedKV):
                 if isinstance(part.keys, torch.Tensor):
                     layer.parts[layer.parts.index(part)] = part.quantized(self.bits, self.group)
-        layer.quantize_oldest(self.bits, self.group, self.residual, self.key_mode)
+        self.quantize_oldest(layer, self.bits)
 
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
         """Right after the prefill; behind head-wise budgets (ragged rows) every kept token is quantized per token

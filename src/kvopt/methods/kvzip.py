@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvopt.cache.layer import AttentionStep, KVLayer
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.adakv import allocate
 from kvopt.methods.base import register
@@ -147,7 +148,7 @@ class KVzip(Eviction):
         batch, columns = scores.shape[0], len(layers) * heads
         for index, layer in enumerate(layers):
             first = index * heads
-            layer.to_ragged([selected[row * columns + first + head] for row in range(batch) for head in range(heads)])
+            RaggedKV.move_into(layer, [selected[row * columns + first + head] for row in range(batch) for head in range(heads)])
 
 
 def score_reconstruction(layer, step, softcap: float | None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvopt.cache.ragged import RaggedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods.adakv import AdaKV, allocate
 from kvopt.methods.base import get, register
@@ -94,7 +95,7 @@ class LAVa(AdaKV):
         ]  # fmt: skip
         for index, (layer, layer_scores) in enumerate(zip(layers, scores)):
             layer_targets = torch.tensor([share[index] for share in shares], device=recent.device) + recent
-            layer.to_ragged(allocate(layer_scores, layer.store.valid, layer_targets, self.window, self.alpha))
+            RaggedKV.move_into(layer, allocate(layer_scores, layer.store.valid, layer_targets, self.window, self.alpha))
 
 
 def candidates(valid: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ class MiniKV(Quantization):
     def after_attention(self, layer, step) -> None:
         bits = self.layer_bits[step.module.layer_idx] if self.layer_bits is not None else None
         if bits is not None:
-            layer.quantize_oldest(bits, self.group, self.residual, self.key_mode)
+            self.quantize_oldest(layer, bits)
 
 
 def sensitivities(method: MiniKV, model, ids: torch.Tensor) -> list[float]:

@@ -97,10 +97,8 @@ class MixedKV(Quantization):
             if index.shape[-1] == 0:
                 continue
             expand = index[..., None].expand(-1, -1, -1, store.keys.shape[-1])
-            layer.add_quantized(
-                QuantizedKV.encode(
-                    store.keys.gather(2, expand), store.values.gather(2, expand), store.positions.gather(2, index),
-                    store.valid.gather(2, index), bits, self.group, self.key_mode,
-                )  # fmt: skip
-            )
+            QuantizedKV.encode(
+                store.keys.gather(2, expand), store.values.gather(2, expand), store.positions.gather(2, index),
+                store.valid.gather(2, index), bits, self.group, self.key_mode,
+            ).add_to(layer)  # fmt: skip
         store.drop_oldest(count)

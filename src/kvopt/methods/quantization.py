@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvopt.cache.quant import BITS
+from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
 from kvopt.methods.base import Method
 
@@ -48,6 +49,16 @@ class Quantization(Method):
             raise MethodParameterError(
                 f"{self.name}: group={self.group} does not divide head_dim={model.head_dim}; use a divisor such as 32"
             )
+
+    def quantize_oldest(self, layer, bits: int) -> None:
+        """Once ``residual`` full-precision tokens are held, quantize all whole groups of ``group`` (the oldest),
+        leaving fewer than ``group`` in full precision (KIVI's key schedule, so the full-precision part stays below
+        ``residual`` tokens). Sliding layers stay in full precision: their window already bounds them; so do layers
+        a cross-layer method owns (MiniCache quantizes their merged directions itself)."""
+        owned = any(method.owns_layer(layer.index) for method in layer.methods)
+        held = len(layer.store)
+        if layer.sliding_window is None and not owned and held >= max(self.residual, self.group):
+            QuantizedKV.move_oldest(layer, held // self.group * self.group, bits, self.group, self.key_mode)
 
     def bit_classes(self, quantized_tokens: int, layer: int) -> list[tuple[int, int]]:
         """``(bits, tokens)`` of the quantized tokens of one sequence in layer ``layer``."""

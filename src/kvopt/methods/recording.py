@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.cache.kv_cache import KVCache
+from kvopt.cache.kv_cache import RECORDED_PREFILL, KVCache
 from kvopt.methods.base import Method
 from kvopt.models.forward import cache_kwargs, final_states
 
@@ -23,7 +23,7 @@ class _RecordPrefill(Method):
 
     def after_attention(self, layer, step) -> None:
         if step.is_prefill:
-            layer.recorded_prefill = step
+            layer.state[RECORDED_PREFILL] = step
 
 
 def record_prefill(model, input_ids, attention_mask=None, **forward_kwargs) -> tuple[KVCache, object]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvopt.cache.kv_cache import recorded_step
 from kvopt.errors import MethodParameterError
 from kvopt.methods.recording import record_prefill
 from kvopt.methods.scores import attention_probs, pool, reduce_group
@@ -65,7 +66,7 @@ def measure(model, ids: torch.Tensor) -> torch.Tensor:
         cache, _ = record_prefill(model, passage[None], logits_to_keep=1)
         per_layer = []
         for layer in cache.layers:
-            probs = attention_probs(layer, layer.recorded_prefill, last=WINDOW)  # [1, H_kv, g, w, T]
+            probs = attention_probs(layer, recorded_step(layer), last=WINDOW)  # [1, H_kv, g, w, T]
             scores = pool(reduce_group(probs.sum(dim=3))[..., :-WINDOW], KERNEL, "avg")[0]
             per_layer.append(resample(layer_retention(scores), POINTS))
         curves.append(torch.stack(per_layer))
