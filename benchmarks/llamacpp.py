@@ -45,7 +45,7 @@ SERVING_SEED, SERVING_LOW, SERVING_HIGH = 0, 100, 1000
 #: ggml's error level: llama.cpp's info and warnings (one line per tensor at load) are dropped.
 GGML_LOG_LEVEL_ERROR = 4
 #: Fields that name what a row measured (a new row replaces an old one with the same values).
-SETTING = ("step", "system", "weights", "kv", "length", "parallel", "requests", "new_tokens")
+SETTING = ("step", "system", "weights", "kv", "length", "parallel", "requests", "prompt_range", "new_tokens")
 
 
 def bindings():
@@ -297,8 +297,10 @@ def continuous_batching(context: Context, prompts: list[list[int]], new_tokens: 
 
 
 def batched(args, lib, tokenizer) -> list[dict]:
-    prompts = serving.real_prompts(tokenizer, args.requests, SERVING_LOW, SERVING_HIGH, seed=SERVING_SEED)
-    base = {"requests": len(prompts), "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts))}
+    low, high = args.prompt_tokens
+    prompts = serving.real_prompts(tokenizer, args.requests, low, high, seed=SERVING_SEED)
+    base = {"requests": len(prompts), "prompt_range": f"{low}-{high}", "new_tokens": args.new_tokens,
+            "prompt_tokens": sum(map(len, prompts))}  # fmt: skip
     rows, reference = [], None
     for dtype in filter(None, args.kvopt.split(",")):
         row, tokens = kvopt_run(prompts, args.new_tokens, dtype, args)
@@ -373,6 +375,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single), 128 (batched, as serving.py)")
     parser.add_argument("--repeats", type=int, default=3, help="single: runs per setting (median)")
     parser.add_argument("--requests", type=int, default=64, help="batched: requests (serving.py's prompts)")
+    parser.add_argument("--prompt-tokens", type=_token_range, default=(SERVING_LOW, SERVING_HIGH), metavar="LOW-HIGH",
+                        help="batched: each prompt's length is drawn from this range (default: serving.py's)")
     parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
     parser.add_argument("--kvopt", default="", help="batched: also kvopt.LLM in these dtypes, e.g. fp32,auto")
     parser.add_argument("--kv-memory", default="2GB", help="kvopt.LLM's pool (as serving.py)")
@@ -415,19 +419,44 @@ def render(rows: list[dict]) -> str:
                   for r in sorted(singles, key=lambda r: (r["weights"], r["kv"], r["length"]))]  # fmt: skip
         lines.append("")
     many = [row for row in rows if row["step"] == "batched"]
-    if many:
-        first = many[0]
-        lines += [f"### {first['requests']} requests ({first['prompt_tokens']:,} prompt tokens), {first['new_tokens']} "
-                  "new tokens each", "",
-                  "llama.cpp: continuous batching as llama-server does it (`parallel` slots); kvopt.LLM: the engine "
-                  "with `max_num_seqs` as `parallel`, same prompts, same process.", "",
-                  "| system | weights | KV | parallel | wall time | output tok/s | same tokens as |", "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
-        for r in many:
-            same = f"{r['same_as_kvopt']}/{r['requests']} `{r['compared_with']}`" if "same_as_kvopt" in r else "–"
-            lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
-                         f"{r['tok_s']:.1f} | {same} |")  # fmt: skip
-        lines.append("")
+    for workload in dict.fromkeys(_workload(row) for row in many):
+        lines += _batched_table([row for row in many if _workload(row) == workload])
     return "\n".join(lines)
+
+
+def _workload(row: dict) -> tuple:
+    """What a batched row ran: rows from before ``--prompt-tokens`` used serving.py's range."""
+    return row["requests"], row.get("prompt_range", f"{SERVING_LOW}-{SERVING_HIGH}"), row["new_tokens"]
+
+
+def _batched_table(rows: list[dict]) -> list[str]:
+    """One workload: llama.cpp's settings and kvopt.LLM's dtypes, each against kvopt's first dtype."""
+    requests, prompt_range, new_tokens = _workload(rows[0])
+    ours = next((row for row in rows if row["system"].startswith("kvopt")), None)
+    lines = [f"### {requests} requests of {prompt_range} tokens ({rows[0]['prompt_tokens']:,} prompt tokens), "
+             f"{new_tokens} new tokens each", "",
+             "llama.cpp: continuous batching as llama-server does it (`parallel` slots); kvopt.LLM: the engine "
+             "with `max_num_seqs` as `parallel`, same prompts, same process.", "",
+             f"| system | weights | KV | parallel | wall time | output tok/s | {ours['system'] if ours else 'kvopt'} vs this "
+             "| same tokens as |", "|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        same = f"{r['same_as_kvopt']}/{r['requests']} `{r['compared_with']}`" if "same_as_kvopt" in r else "–"
+        ratio = f"{ours['tok_s'] / r['tok_s']:.2f}x" if ours and r is not ours else "–"
+        lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
+                     f"{r['tok_s']:.1f} | {ratio} | {same} |")  # fmt: skip
+    conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
+    return lines + ([""] + [f"Measured with {'; '.join(conditions)}."] if conditions else []) + [""]
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    """``LOW-HIGH`` token counts, e.g. ``100-200``."""
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW-HIGH, e.g. 100-200") from None
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < LOW <= HIGH")
+    return low, high
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The routing rule and the prefix index are tested alone first (no Ray); the clust
 """
 
 import json
+import os
 import socket
 import time
 
@@ -85,6 +86,10 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    # Serve kills a proxy not ready in 5 s; on a loaded 2-core machine (the suite runs a worker per core) it can take
+    # longer, so the started processes inherit roomier limits.
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "120")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # 2 replicas, then 2 Ray Data actors
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

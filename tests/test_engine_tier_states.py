@@ -6,7 +6,6 @@ import copy
 import shutil
 
 import pytest
-import torch
 
 from kvopt.engine import LLM, SamplingParams
 from redis_server import RedisServer

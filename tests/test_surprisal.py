@@ -6,8 +6,8 @@ import torch
 import kvopt
 from kvopt.errors import CacheUsageError
 from kvopt.methods.recording import record_prefill
-from tests.bounds import prefill_and_decode
-from tests.conftest import random_batch
+from bounds import prefill_and_decode
+from conftest import random_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +63,7 @@ def test_surprisal_frees_memory(tiny_with_tokenizer):
 
 
 def test_surprisal_batch_rows_keep_what_they_keep_alone():
-    from tests.tiny_models import tiny_model
+    from tiny_models import tiny_model
 
     model = tiny_model("llama")
     kvopt.prepare(model)

@@ -13,7 +13,7 @@
 """
 
 from kvopt import methods
-from kvopt._version import __version__
+from kvopt._version import __version__ as __version__
 from kvopt.api import build_cache as cache
 from kvopt.api import load_model
 from kvopt.cache import KVCache
