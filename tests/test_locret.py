@@ -9,11 +9,13 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 import kvopt
 from kvopt.cache.prerope import to_pairs
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.errors import MethodParameterError
-from kvopt.methods import locret_heads, parse
+from kvopt.methods import locret_data, locret_heads, parse
 from kvopt.methods.locret import Locret
 from kvopt.models.forward import cache_kwargs
 
@@ -45,7 +47,8 @@ def locret(spec: str, trained) -> Locret:
 
 # -- the importance target ------------------------------------------------------------------------
 def test_importance_target_and_features_match_a_slow_reference(model):
-    """CIS = max over the answer's positions and the GQA group of q.k * scale, the pre-RoPE query and key being
+    """CIS = max over the answer's positions and the GQA group of the logit q.k * scale the model computes (after
+    RoPE, as the paper's labels; format 2 took it before RoPE), and the features start with the pre-RoPE queries,
     HF's own projections of the layer's normed input."""
     ids = text_ids(40)[None]
     answer, context = 8, 32
@@ -59,11 +62,13 @@ def test_importance_target_and_features_match_a_slow_reference(model):
             x = block.input_layernorm(hidden[index])
             q = attention.q_proj(x).view(1, 40, -1, attention.head_dim).transpose(1, 2)
             k = attention.k_proj(x).view(1, 40, -1, attention.head_dim).transpose(1, 2)
+            cos, sin = reference.model.rotary_emb(x, torch.arange(40)[None])
+            rotated_q, rotated_k = apply_rotary_pos_emb(q, k, cos, sin)
             group = q.shape[1] // k.shape[1]
             for head in range(k.shape[1]):
                 for token in range(context):
                     best = max(
-                        sum(a * b for a, b in zip(q[0, h, p].tolist(), k[0, head, token].tolist()))
+                        sum(a * b for a, b in zip(rotated_q[0, h, p].tolist(), rotated_k[0, head, token].tolist()))
                         * attention.scaling
                         for h in range(head * group, (head + 1) * group)
                         for p in range(context, 40)
@@ -85,6 +90,32 @@ def test_training_lowers_the_loss_below_untrained_heads(model, trained):
         fitted = locret_heads.loss_terms(trained.heads, features, targets)[0]
         before = locret_heads.loss_terms(untrained, features, targets)[0]
     assert fitted < 0.9 * before
+
+
+# -- training sequences ---------------------------------------------------------------------------------
+def test_planted_facts_are_in_the_context_and_asked_back_in_the_answer():
+    """Each fact's statement lies before the answer tokens, which ask for it and state its value; sequences have the
+    length asked for, most of them with planted facts and the rest consecutive prose."""
+    import random
+
+    from kvopt.local_text import real_text
+    from kvopt.models import load_tokenizer
+
+    tokenizer, text = load_tokenizer(), real_text()[0]
+    rng = random.Random(4)
+    facts = [locret_data.draw_fact(rng) for _ in range(3)]
+    sentences = ["The sky was grey that day.", "Nobody came to the meeting.", "It rained until the evening."]
+    piece = locret_data.retrieval_sequence(rng, tokenizer, sentences, 300, facts)
+    assert piece.ids.shape == (1, 300)
+    context, answer = (tokenizer.decode(part) for part in (piece.ids[0, : -piece.answer], piece.ids[0, -piece.answer :]))
+    for fact in facts:
+        assert fact.statement in context and fact.question in answer and fact.answer in answer
+        assert fact.statement not in answer
+    pieces = locret_data.training_sequences(tokenizer, text, 8, 256, 64)
+    assert [p.ids.shape for p in pieces] == [(1, 256)] * 8
+    prose = tokenizer(text, add_special_tokens=False)["input_ids"]
+    consecutive = [p for p in pieces if p.ids[0].tolist() in (prose[i : i + 256] for i in range(0, 8 * 256, 256))]
+    assert len(consecutive) == 8 - round(8 * locret_data.RETRIEVAL_SHARE) and all(p.answer == 64 for p in consecutive)
 
 
 # -- eviction inside the chunked prefill ------------------------------------------------------------
@@ -147,6 +178,36 @@ def test_ratio_budget_is_fixed_from_the_whole_prompt_and_later_tokens_come_on_to
     assert all(not layer.store.has_extra("locret.scores") for layer in cache.layers)  # freed with the prompt
 
 
+def test_the_first_tokens_are_kept_as_attention_sinks(model, trained, monkeypatch):
+    """Heads scoring the oldest tokens lowest still leave the first ``sinks`` of the prompt in every layer and head."""
+    monkeypatch.setattr(Locret, "score_new", lambda self, layer, step: step.query_positions.float().expand(
+        1, layer.store.keys.shape[1], -1))  # fmt: skip
+    for sinks in (4, 0):
+        cache = kvopt.cache([locret(f"locret:ratio=0.75,chunk=64,sinks={sinks}", trained)], model)
+        with torch.no_grad():
+            model(text_ids(300, seed=7)[None], **cache_kwargs(model, cache))
+        for layer in cache.layers:
+            first = layer.store.positions[..., :4]
+            assert torch.equal(first, torch.arange(4).expand_as(first)) == (sinks == 4)
+
+
+def test_pooling_keeps_a_high_scored_tokens_neighbours(model, trained, monkeypatch):
+    """With ``pool=5`` the two tokens either side of the one the heads score highest are kept with it."""
+    def score(self, layer, step):
+        positions = step.query_positions.float()
+        return torch.where(positions == 100, 1e6, positions).expand(1, layer.store.keys.shape[1], -1)
+
+    monkeypatch.setattr(Locret, "score_new", score)
+    for pool in (5, 0):
+        cache = kvopt.cache([locret(f"locret:ratio=0.75,chunk=64,pool={pool}", trained)], model)
+        with torch.no_grad():
+            model(text_ids(300, seed=7)[None], **cache_kwargs(model, cache))
+        for layer in cache.layers:
+            held = layer.store.positions
+            assert bool((held == 100).any(-1).all())
+            assert bool(torch.isin(torch.tensor([98, 99, 101, 102]), held).all()) == (pool == 5)
+
+
 def test_composes_with_kivi_keeping_the_same_tokens(model, trained):
     """locret+kivi: kivi waits for the last chunk, so the tokens kept are locret's own, then quantized."""
     prompt = text_ids(400, seed=8)[None]
@@ -197,6 +258,8 @@ def test_engine_outputs_equal_generate_with_the_same_cache(model, trained, tmp_p
     ("locret:ratio=0.5,budget=100", "exactly one of ratio"),
     ("locret:budget=100,window=128", "window=128 must be smaller than budget=100"),
     ("locret:ratio=0.5,chunk=0", "chunk=0 must be a positive integer"),
+    ("locret:ratio=0.5,sinks=-1", "sinks=-1 must be >= 0"),
+    ("locret:ratio=0.5,pool=4", "pool=4 0 or odd"),
 ])  # fmt: skip
 def test_bad_specs_fail_with_one_line(spec, words):
     with pytest.raises(MethodParameterError) as error:
@@ -283,9 +346,8 @@ def test_heads_of_another_model_are_refused_with_one_line(model, trained, tmp_pa
 
 # -- training: resumable, and the command ---------------------------------------------------------------
 def test_an_interrupted_training_resumes_to_the_same_heads(model, tmp_path):
-    ids = text_ids(6 * 256, seed=11)
-    options = {"sequence": 256, "steps_per_sequence": 2}
-    straight = locret_heads.train(model, ids, **options)
+    pieces = locret_data.prose_sequences(text_ids(6 * 256, seed=11), 256, 64)
+    straight = locret_heads.train(model, pieces, steps_per_sequence=2)
     checkpoint = tmp_path / "heads.partial"
 
     def stop_after_two(done, total):
@@ -293,9 +355,10 @@ def test_an_interrupted_training_resumes_to_the_same_heads(model, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        locret_heads.train(model, ids, checkpoint, progress=stop_after_two, **options)
+        locret_heads.train(model, pieces, checkpoint, progress=stop_after_two, steps_per_sequence=2)
     seen = []
-    resumed = locret_heads.train(model, ids, checkpoint, progress=lambda done, total: seen.append(done), **options)
+    resumed = locret_heads.train(model, pieces, checkpoint, progress=lambda done, total: seen.append(done),
+                                 steps_per_sequence=2)  # fmt: skip
     assert seen[0] == 2 and seen[-1] == 5  # 6 sequences: 5 to train on, 1 held out
     for name, tensor in straight.heads.state_dict().items():
         assert torch.equal(tensor, resumed.heads.state_dict()[name]), name

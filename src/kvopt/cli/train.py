@@ -22,7 +22,7 @@ def locret(
                                                                "the text may hold fewer)")] = None,  # fmt: skip
     device: DeviceOption = "auto",
 ) -> None:
-    """Train Locret's retaining heads on this machine's prose; an interrupted run resumes where it stopped."""
+    """Train Locret's retaining heads on this machine's prose with facts planted in it; an interrupted run resumes."""
     from kvopt.api import load_model, local_prose
     from kvopt.methods import locret_heads
 
@@ -37,8 +37,8 @@ def locret(
     report = trained.report
     console.print(
         f"heads: {trained.path} ({report.head_bytes:,} bytes, apart from the per-token cache)\n"
-        f"trained on {report.tokens:,} tokens ({report.sequences} sequences, the last tenth held out) of "
-        f"{report.text_source.split(':')[0]} in {report.seconds:.1f} s\n"
+        f"trained on {report.tokens:,} tokens ({report.sequences} sequences, most with facts planted and asked back, "
+        f"the last tenth held out) of {report.text_source.split(':')[0]} in {report.seconds:.1f} s\n"
         f"validation loss (SmoothL1 to the standardized importance target): {report.validation_loss:.4f}",
         highlight=False, soft_wrap=True,
     )  # fmt: skip

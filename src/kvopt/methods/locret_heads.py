@@ -7,15 +7,17 @@ Locret (Huang et al., arXiv 2410.01805) trains one small MLP per layer on a froz
 **Target (CIS).** For a sequence split into a context and an answer, the importance of context
 token ``j`` for KV head ``h`` is the largest pre-softmax attention logit ``q_p . k_j * scale``
 over the answer's positions ``p`` and the query heads of ``h``'s GQA group (the paper's
-``data_gen.py``). The paper uses SFT prompt/answer pairs; we have no downloads, so each training
-sequence is a run of the machine's prose (:mod:`kvopt.local_text`) whose last :data:`ANSWER`
-tokens are the answer. Queries and keys come from a lossless kvopt prefill recorded layer by layer
-(:func:`~kvopt.methods.recording.record_prefill`), un-rotated to pre-RoPE (:func:`pre_rope`), the
-features exactly as the method computes them while prefilling. Deviation: the target's logits are
-the *pre-RoPE* ones. With RoPE, a prose continuation's logits are mostly recency, which heads that
-read no position cannot learn (format 1 trained on them: the heads' top quarter overlapped the
-target's by 54% where a recency rank did 57%, and kept 1 of ``full``'s 10 answers at 75% removed);
-the stabilizer window keeps the recent tokens anyway, so the heads are taught content alone.
+``data_gen.py``): the logits the model computes, after RoPE. The paper uses SFT prompt/answer
+pairs; we have no downloads, so the sequences (:mod:`kvopt.methods.locret_data`) are mostly facts
+planted in the machine's prose and asked back at the end (the question and answer are the answer),
+the rest prose continuations whose last :data:`ANSWER` tokens are the answer. Queries and keys come
+from a lossless kvopt prefill recorded layer by layer (:func:`~kvopt.methods.recording.record_prefill`);
+the features are un-rotated to pre-RoPE (:func:`pre_rope`), exactly as the method computes them while
+prefilling. Format 2 took the target's logits before RoPE too and trained on prose alone: on passkey
+and needle prompts at 2k its heads ranked the answer's tokens below the average token (mean
+percentile 0.29 to 0.50 over layers and heads) where the logits of the question's queries after
+RoPE rank them at 0.63 to 0.76 and before RoPE at 0.39 to 0.58, and it kept 1.2 of ``full``'s 17.8
+answers at 75% removed; format 3's heads rank them at 0.62 to 0.74 (measurements: :mod:`kvopt.methods.locret`).
 
 **Training** follows ``train.py``: the model frozen, SmoothL1 between prediction and target plus
 ``0.0025 x`` the MSE between neighbouring tokens' predictions, AdamW (lr 5e-4, betas 0.9/0.95),
@@ -52,11 +54,12 @@ from kvopt.cache.kv_cache import recorded_step
 from kvopt.cache.prerope import RopeTable, rope_inv_freq, rotate, to_pairs
 from kvopt.errors import KVOptError, MethodParameterError
 from kvopt.local_text import real_text
+from kvopt.methods.locret_data import TrainingSequence, training_sequences
 from kvopt.methods.recording import record_prefill
 from kvopt.models.info import ModelInfo
 
 #: Version of what training computes and of the file's layout (part of the file name: a change retrains).
-FORMAT = 2
+FORMAT = 3
 HIDDEN = 128
 #: Tokens of a training sequence; its last ANSWER tokens are the answer whose queries define the target.
 SEQUENCE = 1024
@@ -162,7 +165,7 @@ def importance_target(query: torch.Tensor, keys: torch.Tensor, context: int, sca
 
 def example(model, ids: torch.Tensor, answer: int = ANSWER) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features [L, C, F], targets [L, C, H_kv])`` of the ``C = T - answer`` context tokens of ``ids [1, T]``,
-    from one recorded lossless prefill. The target's logits are the pre-RoPE ones (see the module's docstring)."""
+    from one recorded lossless prefill: pre-RoPE features, the target from the logits after RoPE."""
     context = ids.shape[1] - answer
     cache, _ = record_prefill(model, ids, logits_to_keep=1)
     features, targets = [], []
@@ -170,19 +173,24 @@ def example(model, ids: torch.Tensor, answer: int = ANSWER) -> tuple[torch.Tenso
         step, store = recorded_step(layer), layer.store
         table = rope_table(step.module, layer.index, store.keys.shape[-1], store.keys.device)
         positions = step.query_positions[None, None, :].long()
-        query, keys = pre_rope(step.query, positions, table), pre_rope(store.keys, positions, table)
-        features.append(concat_heads(query, keys, store.values)[0, :context])
+        features.append(token_features(step.query, store.keys, store.values, positions, table)[0, :context])
         softcap = getattr(getattr(step.module, "config", None), "attn_logit_softcapping", None)
         scale = default_scale(step.query, step.scaling)
-        targets.append(importance_target(query, keys, context, scale, softcap)[0].T)
+        targets.append(importance_target(step.query.float(), store.keys.float(), context, scale, softcap)[0].T)
     return torch.stack(features), torch.stack(targets)
 
 
 # -- training -----------------------------------------------------------------------------------
-def sequences(ids: torch.Tensor, length: int = SEQUENCE) -> list[torch.Tensor]:
-    """``ids [N]`` cut into ``[1, length]`` sequences (the remainder dropped)."""
-    count = ids.numel() // length
-    return [ids[i * length : (i + 1) * length][None] for i in range(count)]
+def prose_length(model, tokens: int) -> int:
+    """Tokens per prose sequence for ``tokens`` of text: :data:`SEQUENCE`, fewer when the text would not make
+    :data:`MIN_SEQUENCES` + 1 or the model's context is shorter."""
+    info = ModelInfo.from_config(model.config)
+    return min(SEQUENCE, tokens // (MIN_SEQUENCES + 1), info.max_positions or SEQUENCE)
+
+
+def answer_length(sequence: int) -> int:
+    """Answer tokens of a prose sequence: :data:`ANSWER`, a quarter of the sequence at most."""
+    return min(ANSWER, sequence // 4)
 
 
 def loss_terms(heads: RetainingHeads, features: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,30 +200,27 @@ def loss_terms(heads: RetainingHeads, features: torch.Tensor, targets: torch.Ten
     return F.smooth_l1_loss(predicted, standard), F.mse_loss(predicted[:, 1:], predicted[:, :-1])
 
 
-def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source: str = "token ids",
-          progress: Callable[[int, int], None] | None = None, steps_per_sequence: int = STEPS_PER_SEQUENCE,
-          sequence: int | None = None) -> TrainedHeads:  # fmt: skip
-    """Train heads for ``model`` on ``ids [N]``, resuming from (and saving after every sequence to) ``checkpoint``.
-
-    Sequences are ``sequence`` tokens (default :data:`SEQUENCE`, fewer when ``ids`` would not make three or the
-    model's context is shorter), their last quarter at most the answer.
+def train(model, pieces: list[TrainingSequence], checkpoint: Path | None = None, text_source: str = "token ids",
+          progress: Callable[[int, int], None] | None = None,
+          steps_per_sequence: int = STEPS_PER_SEQUENCE) -> TrainedHeads:  # fmt: skip
+    """Train heads for ``model`` on ``pieces`` (the last tenth held out), resuming from (and saving after every
+    sequence to) ``checkpoint``.
 
     ``progress(done, total)`` is called after every training sequence (resumed ones counted as done).
     """
     info = ModelInfo.from_config(model.config)
-    sequence = sequence or min(SEQUENCE, ids.numel() // (MIN_SEQUENCES + 1), info.max_positions or SEQUENCE)
-    answer = min(ANSWER, sequence // 4)
-    pieces = sequences(ids.reshape(-1).to(next(model.parameters()).device), sequence)
-    if len(pieces) < MIN_SEQUENCES + 1 or answer < 4:
+    if len(pieces) < MIN_SEQUENCES + 1 or min(p.answer for p in pieces) < 4:
         raise MethodParameterError(
-            f"locret: training needs at least {(MIN_SEQUENCES + 1) * max(sequence, 16)} tokens of text "
-            f"({MIN_SEQUENCES} sequences to train on, one to validate), got {ids.numel()}; pass more"
+            f"locret: training needs at least {MIN_SEQUENCES + 1} sequences of text with answers of 4 tokens or more "
+            f"({MIN_SEQUENCES} to train on, one to validate), got {len(pieces)}; pass more"
         )
+    device = next(model.parameters()).device
+    pieces = [TrainingSequence(p.ids.to(device), p.answer) for p in pieces]
     held_out = max(1, len(pieces) // 10)
     training, validation = pieces[:-held_out], pieces[-held_out:]
     width = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
     torch.manual_seed(0)
-    with torch.device(pieces[0].device):  # made where they train, never on a default device set elsewhere
+    with torch.device(device):  # made where they train, never on a default device set elsewhere
         heads = RetainingHeads(info.num_layers, width, info.num_kv_heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95))
     total = len(training) * steps_per_sequence
@@ -223,8 +228,9 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
-    settings = {"format": FORMAT, "fingerprint": model_fingerprint(model), "tokens": int(ids.numel()),
-                "steps": steps_per_sequence, "sequence": sequence, "ids": _digest(ids)}  # fmt: skip
+    tokens = sum(p.ids.numel() for p in pieces)
+    settings = {"format": FORMAT, "fingerprint": model_fingerprint(model), "tokens": tokens,
+                "steps": steps_per_sequence, "ids": _digest(pieces)}  # fmt: skip
     done, spent = 0, 0.0
     if checkpoint is not None and checkpoint.exists():
         saved = _read(checkpoint)
@@ -238,7 +244,7 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
     started = time.perf_counter() - spent
     for index in range(done, len(training)):
         with torch.no_grad():
-            features, targets = example(model, training[index], answer)
+            features, targets = example(model, training[index].ids, training[index].answer)
         if index == 0:
             heads.standardize(features, targets)
         for _ in range(steps_per_sequence):
@@ -256,9 +262,9 @@ def train(model, ids: torch.Tensor, checkpoint: Path | None = None, text_source:
         if progress is not None:
             progress(index + 1, len(training))
     with torch.no_grad():
-        losses = [loss_terms(heads, *example(model, piece, answer))[0].item() for piece in validation]
+        losses = [loss_terms(heads, *example(model, piece.ids, piece.answer))[0].item() for piece in validation]
     report = TrainingReport(
-        seconds=round(time.perf_counter() - started, 2), tokens=len(pieces) * sequence, sequences=len(pieces),
+        seconds=round(time.perf_counter() - started, 2), tokens=tokens, sequences=len(pieces),
         validation_loss=sum(losses) / len(losses), head_bytes=heads.nbytes(), text_source=text_source,
     )  # fmt: skip
     return TrainedHeads(heads.requires_grad_(False), report)
@@ -316,8 +322,12 @@ def _checksum(state: dict[str, torch.Tensor]) -> str:
     return hasher.hexdigest()
 
 
-def _digest(ids: torch.Tensor) -> str:
-    return hashlib.blake2b(ids.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+def _digest(pieces: list[TrainingSequence]) -> str:
+    hasher = hashlib.blake2b(digest_size=16)
+    for piece in pieces:
+        hasher.update(piece.ids.cpu().numpy().tobytes())
+        hasher.update(piece.answer.to_bytes(8, "little"))
+    return hasher.hexdigest()
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -344,7 +354,7 @@ def _read(path: Path) -> dict | None:
 #: Training on first use only when its estimate stays under this (seconds); longer runs are left to the command.
 QUICK_SECONDS = 60.0
 #: Floating-point operations per second assumed for the estimate: about half of what one CPU thread reached while
-#: training the default model's heads (146 s of CPU time for 26,624 tokens), so the default model (~8 min by this
+#: training the default model's heads (196 s of CPU time for 32,768 tokens), so the default model (~8 min by this
 #: estimate) is left to the command and tiny models train on first use.
 ASSUMED_FLOPS = 2e10
 
@@ -367,15 +377,14 @@ def estimated_seconds(model, tokens: int = TRAIN_TOKENS) -> float:
     return tokens * (2 * weights + attention + 6 * heads * STEPS_PER_SEQUENCE) / ASSUMED_FLOPS
 
 
-def text_ids(model, text: str, tokens: int = TRAIN_TOKENS) -> torch.Tensor:
-    """The last ``tokens`` token ids of ``text`` in ``model``'s own tokenizer (found in its folder)."""
+def text_tokenizer(model):
+    """``model``'s own tokenizer (found in its folder), which turns the training text into its token ids."""
     from kvopt.models.loading import model_tokenizer
 
-    tokenizer = model_tokenizer(
+    return model_tokenizer(
         model, "locret trains its heads on real text and needs the model's tokenizer: load the model from its folder "
         "(kvopt.load_model(PATH)), or train on token ids with Locret.fit(model, ids)",
     )  # fmt: skip
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0, -tokens:]
 
 
 def heads_folder(model) -> Path:
@@ -394,14 +403,16 @@ def heads_folder(model) -> Path:
 
 def train_for_model(model, text: Callable[[], str], tokens: int | None = None,
                     progress: Callable[[int, int], None] | None = None) -> TrainedHeads:  # fmt: skip
-    """Train heads for ``model`` on the last ``tokens`` (default :data:`TRAIN_TOKENS`) of ``text()`` and store them
-    in the cache, resuming an interrupted run of the same settings."""
+    """Train heads for ``model`` on ``tokens`` (default :data:`TRAIN_TOKENS`) of sequences made from ``text()``
+    (:func:`~kvopt.methods.locret_data.training_sequences`) and store them in the cache, resuming an interrupted
+    run of the same settings."""
     path = heads_path(heads_folder(model), model_fingerprint(model))
-    prose = text()
-    ids = text_ids(model, prose, tokens or TRAIN_TOKENS)
+    prose, tokens = text(), tokens or TRAIN_TOKENS
+    length = prose_length(model, tokens)
+    pieces = training_sequences(text_tokenizer(model), prose, tokens // length, length, answer_length(length))
     source = real_text()[1] if prose == real_text()[0] else "the caller's text"
     partial = path.with_suffix(".partial")
-    trained = train(model, ids, partial, source, progress)
+    trained = train(model, pieces, partial, f"{source} with planted facts", progress)
     save(path, trained, model_fingerprint(model))
     partial.unlink(missing_ok=True)
     trained.path = path
