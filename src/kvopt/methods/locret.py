@@ -36,10 +36,10 @@ best scores; the newest tokens are the ones a question reads); the prompt's tail
 (the paper: 1,024 to 4,096 for 128k prompts). Heads: see :mod:`kvopt.methods.locret_heads`.
 
 Measured on the default model, query-agnostic at 75% removed on passkey / niah / niah_multivalue prompts at 2k
-(heads format 3: 32,768 tokens, 196 s of CPU time), paired with ``full``: with ``pool=7`` it kept 97% of ``full``'s
-7.5 answers on 8 prompts (``kvzip`` 60%, ``surprisal`` 83%, ``snapkv`` 7% on the same prompts); without pooling
-56% on 16 prompts (``kvzip`` 66%, ``surprisal`` 71%), failing every passkey. Format 2 (prose only, pre-RoPE
-target) kept 1.2 of ``full``'s 17.8 answers on 19 of these prompts.
+(heads format 3: 32,768 tokens, 196 s of CPU time), paired with ``full``: with ``pool=7`` it kept 98% of ``full``'s
+13.0 answers on 14 prompts (``kvzip`` 69%, ``surprisal`` 81%, ``snapkv`` 4% on the same prompts); without pooling
+66% on 23 prompts (``kvzip`` 72%, ``surprisal`` 71%), 2 of 8 passkeys. Format 2 (prose only, pre-RoPE target)
+kept 1.2 of ``full``'s 17.8 answers on 19 of these prompts.
 """
 
 from __future__ import annotations
