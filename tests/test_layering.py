@@ -2,7 +2,8 @@
 
 Layers, bottom first; a part imports parts of lower layers only (not its own layer's, not higher ones):
 
-    errors, _version, local_text   errors, the version, the best prose on this machine: import nothing
+    errors, _version, local_text,  errors, the version, the best prose on this machine, embedded word lists:
+    words                          import nothing
     paths, kernels, tiers          file places; kernels take plain tensors; tiers hold bytes
     models                         model shape facts and loading; knows no kvopt storage
     cache                          storage and kvopt's attention
@@ -32,7 +33,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvopt"
 FACE = "kvopt"
 LAYERS = [
-    ("errors", "_version", "local_text"),
+    ("errors", "_version", "local_text", "words"),
     ("paths", "kernels", "tiers"),
     ("models",),
     ("cache",),

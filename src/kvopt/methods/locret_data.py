@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvopt.eval.tasks.words import ADJECTIVES, NOUNS
+from kvopt.words import ADJECTIVES, NOUNS
 from kvopt.local_text import SENTENCE_END
 
 #: Share of the sequences that plant facts and ask them back; the rest continue prose.

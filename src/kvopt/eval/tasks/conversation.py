@@ -18,7 +18,7 @@ import random
 
 from kvopt.eval.tasks.base import Parts, Task, distinct
 from kvopt.eval.tasks.text import _indexed_words as _words
-from kvopt.eval.tasks.words import ADJECTIVES, NOUNS
+from kvopt.words import ADJECTIVES, NOUNS
 from kvopt.local_text import real_text
 
 TOPICS = 6

@@ -11,7 +11,7 @@ import random
 
 from kvopt.eval.tasks.base import Parts, Task, distinct
 from kvopt.eval.tasks.text import prose_haystack, sentence_boundary
-from kvopt.eval.tasks.words import ADJECTIVES, NOUNS
+from kvopt.words import ADJECTIVES, NOUNS
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 DEPTH_GRID = tuple(round(i * 100 / 39) / 100 for i in range(40))

@@ -27,7 +27,7 @@ import random
 from kvopt.eval.tasks.base import Parts, Task, distinct, seeded_rng
 from kvopt.eval.tasks.niah import insert_needles
 from kvopt.eval.tasks.text import _indexed_words
-from kvopt.eval.tasks.words import ADJECTIVES, NOUNS
+from kvopt.words import ADJECTIVES, NOUNS
 from kvopt.local_text import real_text
 
 POOL = 32

@@ -17,7 +17,7 @@ import string
 
 from kvopt.eval.tasks.base import Parts, Task, distinct
 from kvopt.eval.tasks.text import NOISE
-from kvopt.eval.tasks.words import WORD_POOL
+from kvopt.words import WORD_POOL
 
 _NOISE_SENTENCES = [sentence + "." for sentence in NOISE.rstrip(".").split(". ")]
 

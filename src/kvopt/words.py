@@ -1,4 +1,5 @@
-"""Embedded English word lists for RULER's keys and cwe (RULER downloads wonderwords; we ship our own)."""
+"""Embedded English word lists: RULER's keys and cwe (RULER downloads wonderwords; we ship our own), and the facts
+planted in locret's training text."""
 
 from __future__ import annotations
 
