@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import serving
 import torch
-from sections import opening, row_dates
+from sections import conditions_line, opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "llamacpp" / "rows.jsonl"
@@ -444,8 +444,7 @@ def _batched_table(rows: list[dict]) -> list[str]:
         ratio = f"{ours['tok_s'] / r['tok_s']:.2f}x" if ours and r is not ours else "–"
         lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
                      f"{r['tok_s']:.1f} | {ratio} | {same} |")  # fmt: skip
-    conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
-    return lines + ([""] + [f"Measured with {'; '.join(conditions)}."] if conditions else []) + [""]
+    return lines + conditions_line(rows) + [""]
 
 
 def _token_range(text: str) -> tuple[int, int]:

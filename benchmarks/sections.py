@@ -24,6 +24,12 @@ def opening(commands: str | Sequence[str], dates: Sequence[str], rows: Path | Se
             f"{' and '.join(f'`{command}`' for command in commands)} (rows: {shown}{'; ' + note if note else ''}).")  # fmt: skip
 
 
+
+def conditions_line(rows: Sequence[dict]) -> list[str]:
+    """The lines closing a table: what else ran on the machine while its rows were measured (nothing if unstated)."""
+    conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
+    return ["", f"Measured with {'; '.join(conditions)}."] if conditions else []
+
 def where(path: Path) -> str:
     """``path`` as the report names it: from the repository root, or whole when outside (``--results``)."""
     path = path.resolve()

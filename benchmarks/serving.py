@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sections import opening, row_dates
+from sections import conditions_line, opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "serving.jsonl"
@@ -536,8 +536,7 @@ def _capacity_table(rows: list[dict]) -> list[str]:
         lines.append(f"| `{row['method']}` | {row['requests']} | {floor}{row['concurrent']} | {ratio} | "
                      f"{row.get('decode_tok_s', 0):.1f} | {speed} | {row['tok_s']:.2f} | {row['preemptions']} | "
                      f"{kept.get(_canonical(row['method']), '–')} |")  # fmt: skip
-    conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
-    return lines + ([""] + [f"Measured with {', '.join(conditions)}."] if conditions else []) + [""]
+    return lines + conditions_line(rows) + [""]
 
 
 #: Accuracy rows per model: the grid's, the 2-bit grid's and the capacity recipes' own (outputs of the engine equal
