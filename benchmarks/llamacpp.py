@@ -375,7 +375,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single), 128 (batched, as serving.py)")
     parser.add_argument("--repeats", type=int, default=3, help="single: runs per setting (median)")
     parser.add_argument("--requests", type=int, default=64, help="batched: requests (serving.py's prompts)")
-    parser.add_argument("--prompt-tokens", type=_token_range, default=(SERVING_LOW, SERVING_HIGH), metavar="LOW-HIGH",
+    parser.add_argument("--prompt-tokens", type=serving.token_range, default=(SERVING_LOW, SERVING_HIGH), metavar="LOW-HIGH",
                         help="batched: each prompt's length is drawn from this range (default: serving.py's)")
     parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
     parser.add_argument("--kvopt", default="", help="batched: also kvopt.LLM in these dtypes, e.g. fp32,auto")
@@ -445,17 +445,6 @@ def _batched_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
                      f"{r['tok_s']:.1f} | {ratio} | {same} |")  # fmt: skip
     return lines + conditions_line(rows) + [""]
-
-
-def _token_range(text: str) -> tuple[int, int]:
-    """``LOW-HIGH`` token counts, e.g. ``100-200``."""
-    try:
-        low, high = (int(part) for part in text.split("-"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not LOW-HIGH, e.g. 100-200") from None
-    if not 0 < low <= high:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < LOW <= HIGH")
-    return low, high
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 def measure(system: str, model_dir: Path, prompts: list[str], args) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    base = {"system": system, "clients": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+    base = {"system": system, "clients": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
             "threads": args.threads, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     if system.startswith("kvopt:"):
         base["kv_memory"] = args.kv_memory
@@ -267,10 +267,12 @@ def _seconds(quantiles: dict) -> str:
 
 
 def main() -> None:
+    from serving import real_prompts, token_range
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=SYSTEMS, help="';'-separated: kvopt:SPEC (engine --kv-method), transformers, transformers-cb")
     parser.add_argument("--clients", type=int, default=200)
-    parser.add_argument("--prompt-tokens", default="16-256", help="prompt lengths, drawn uniformly from LOW-HIGH")
+    parser.add_argument("--prompt-tokens", default="16-256", type=token_range, help="prompt lengths, drawn uniformly from LOW-HIGH")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-memory", default="1GB", help="kvopt's KV pool (`kvopt serve`'s default)")
     parser.add_argument("--threads", type=int, default=1,
@@ -279,14 +281,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a client waits for its whole response")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     args = parser.parse_args()
-    from serving import real_prompts
 
     from kvopt.models import load_tokenizer
     from kvopt.models.loading import resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     tokenizer = load_tokenizer(model_dir)
-    low, high = (int(part) for part in args.prompt_tokens.split("-"))
+    low, high = args.prompt_tokens
     prompts = [tokenizer.decode(ids) for ids in real_prompts(tokenizer, args.clients, low, high, seed=1)]
     for system in args.systems.split(";"):
         row = measure(system, model_dir, prompts, args)

@@ -33,6 +33,17 @@ CAPACITY_METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.75", "snapkv:ratio=0.
                     "kvzip:ratio=0.75+kivi:bits=4", "aquakv:bits=2", "rocketkv:budget=512", "minicache+kivi:bits=4")
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """``LOW-HIGH`` token counts (e.g. ``100-200``), an argparse type for ``--prompt-tokens``."""
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW-HIGH, e.g. 100-200") from None
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < LOW <= HIGH")
+    return low, high
+
+
 def real_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     """``count`` windows of local real text, each ``low``-``high`` tokens long."""
     from kvopt.local_text import real_text

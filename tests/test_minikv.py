@@ -7,7 +7,7 @@ import torch
 
 import kvopt
 from kvopt.cache.quantized import QuantizedKV
-from kvopt.errors import MethodParameterError
+from kvopt.errors import MethodParameterError, ModelFileError
 from kvopt.memory import estimate
 from kvopt.methods import parse
 from kvopt.methods.minikv import MiniKV, assign_bits, sensitivities
@@ -51,7 +51,7 @@ def test_minikv_stores_each_layer_in_its_bits_and_matches_its_theoretical_size()
 
 def test_minikv_without_a_tokenizer_says_how_to_calibrate():
     model = tiny_model("llama")
-    with pytest.raises(MethodParameterError, match="tokenizer"):
+    with pytest.raises(ModelFileError, match="tokenizer"):
         kvopt.cache("minikv", model)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvopt.errors import DefaultModelMissingError, MethodParameterError, ModelFileError, ModelNotFoundError
+from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFoundError
 from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.cpu_features import model_dtype
@@ -307,7 +307,8 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
 def model_tokenizer(model, needed: str):
     """The tokenizer saved with ``model`` (in the folder it was loaded from), for methods that calibrate on real
     text in the model's own tokens; without a usable one (none there, or more tokens than the model embeds), a
-    :class:`MethodParameterError` saying ``needed``: why the method needs it and what to do instead."""
+    :class:`ModelFileError` (the model's folder lacks it) saying ``needed``: why the method needs it and what to do
+    instead."""
     from transformers import AutoTokenizer
 
     source = getattr(model, "name_or_path", "") or ""
@@ -316,5 +317,5 @@ def model_tokenizer(model, needed: str):
     except (OSError, ValueError, TypeError):
         tokenizer = None
     if tokenizer is None or len(tokenizer) > model.config.get_text_config().vocab_size:
-        raise MethodParameterError(needed)
+        raise ModelFileError(needed)
     return tokenizer
