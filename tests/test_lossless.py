@@ -6,6 +6,7 @@ from conftest import random_batch
 from transformers import DynamicCache
 
 import kvopt
+from kvopt.errors import CacheUsageError
 
 GENERATE = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -56,3 +57,19 @@ def test_sliding_layers_forget_outside_window():
     window = model.config.sliding_window
     for stats in cache.stats():
         assert stats.seen == 40 and stats.kept == window - 1
+
+
+def test_beam_search_matches_dynamic_cache_and_compressed_parts_refuse_it(model_pair):
+    """HF's batch operations (beam search reorders and repeats rows) act on the dense store; parts refuse them."""
+    reference, ours = model_pair
+    ids, mask = random_batch([15, 9])
+    beams = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
+    cache = DynamicCache(config=reference.config)
+    expected = reference.generate(ids, attention_mask=mask, past_key_values=cache, **beams)
+    got = ours.generate(ids, attention_mask=mask, past_key_values=kvopt.cache("full", ours), **beams)
+    assert torch.equal(expected, got)
+    quantized = kvopt.cache("kivi:bits=2,residual=8,group=8", ours)
+    if all(layer.is_sliding for layer in quantized.layers):
+        return  # kivi keeps sliding layers dense
+    with pytest.raises(CacheUsageError, match=r"selecting batch rows \(beam search\) is not supported .* quantized"):
+        ours.generate(ids, attention_mask=mask, past_key_values=quantized, **beams)

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import kvopt
 from kvopt.cache import attention_math, quant
 from kvopt.cache.positions import TokenIndex
+from kvopt.cache.storage import DenseKVStore
 from tiny_models import VOCAB, tiny_model
 
 
@@ -140,3 +141,23 @@ def test_quantized_attention_keeps_gradients_and_unpacks_transposed_codes():
 def test_split_kv_pieces_even_out_the_threads(threads, items, tokens, pieces, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert attention_math._kv_pieces(items, tokens) == pieces
+
+
+def test_a_store_presenting_other_keys_reads_them_with_its_own_values_and_masks():
+    """What attention reads when methods present the stored keys otherwise (streamingllm re-rotates them)."""
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :3] = False
+    store = DenseKVStore()
+    store.append(keys, values, 0, valid)
+    store.keep(torch.tensor([[[0, 2, 5, 6, 7, 9]]]).expand(2, 1, -1))  # explicit positions, padding kept
+    presented = torch.randn(2, 2, 6, 8, generator=gen)
+    view = store.presenting(presented)
+    query, positions = torch.randn(2, 4, 2, 8, generator=gen), torch.tensor([6, 10])
+    mask = attention_math.visibility(*store.mask_rows(), positions)
+    expected = attention_math.attention_with_lse(query, presented, store.values, mask, 0.3)
+    for got, want in zip(view.attend(query, positions, 0.3), expected):
+        assert torch.equal(got, want)
+    assert torch.equal(view.keys, presented) and torch.equal(store.keys, keys[:, :, [0, 2, 5, 6, 7, 9]])
+    assert torch.equal(view.valid_counts(), store.valid_counts())

@@ -32,11 +32,10 @@ class AttentionStep:
 
 
 class AttentionMode(Protocol):
-    """A layer's attention taken over for a while: kvzip's reconstruction pass scores the stored tokens and
-    forgets the new ones (:mod:`kvopt.methods.kvzip`); a speculative block keeps its tokens provisional
-    (:mod:`kvopt.speculative.restore`); FastKV's propagation stores one forward's tokens at the sequence indices
-    that reached the layer (:mod:`kvopt.methods.fastkv`). Set as :attr:`KVLayer.mode`; the owner sets it back
-    to None."""
+    """A layer's attention taken over for a while (set as :attr:`KVLayer.mode`, then back to None by its owner):
+    kvzip's reconstruction pass scores the stored tokens and forgets the new ones (:mod:`kvopt.methods.kvzip`); a
+    speculative block keeps its tokens provisional (:mod:`kvopt.speculative.restore`); FastKV's propagation stores
+    one forward's tokens at the sequence indices that reached the layer (:mod:`kvopt.methods.fastkv`)."""
 
     #: What the mode is doing, for errors (e.g. "kvzip's reconstruction pass").
     purpose: str
@@ -48,12 +47,10 @@ class AttentionMode(Protocol):
 class KVLayer(SeamLayer):
     """A ``CacheLayerMixin`` whose reads go through :func:`kvopt.cache.attention.kvopt_attention`.
 
-    ``update`` parks the new keys/values; the attention call stores them (with the padding bits
-    only it can see) and attends over the storage. ``seen`` counts sequence indices consumed,
-    padding included, which is what HF expects from ``get_seq_length`` to place new tokens.
-
-    Storage is the dense store, which receives new tokens, plus the compact parts methods made
-    from it (:class:`~kvopt.cache.part.KVPart`: ragged, quantized, merged), read through one interface.
+    ``update`` parks the new keys/values; the attention call stores them (with the padding bits only it
+    can see) and attends over the storage. ``seen`` counts sequence indices consumed, padding included
+    (what HF's ``get_seq_length`` places new tokens by). Storage is the dense store, which receives new
+    tokens, plus the compact parts methods made from it, all read as :class:`~kvopt.cache.part.KVPart` s.
     """
 
     is_croppable = True
@@ -63,12 +60,16 @@ class KVLayer(SeamLayer):
         self.methods = methods
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.store = DenseKVStore()
-        #: Tokens methods moved out of the dense store, in :attr:`KVPart.read_order` (see :meth:`add_part`).
-        self.parts: list[KVPart] = []
         #: This layer's index and all layers of its cache (cross-layer methods read a neighbour).
         self.index = 0
         self.siblings: list[KVLayer] = [self]
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.store = DenseKVStore()
+        #: Tokens methods moved out of the dense store, in :attr:`KVPart.read_order` (see :meth:`add_part`).
+        self.parts: list[KVPart] = []
         #: Real (non-padding) tokens seen, summed over the batch.
         self.seen_real = 0
         #: Per-layer state of the methods (e.g. a budget fixed at prefill), keyed by method name, and of the cache's
@@ -77,14 +78,7 @@ class KVLayer(SeamLayer):
         #: When set, attention calls go to it instead of :meth:`store_and_attend` (see :class:`AttentionMode`).
         self.mode: AttentionMode | None = None
 
-    def reset(self) -> None:
-        super().reset()
-        self.store = DenseKVStore()
-        self.parts = []
-        self.seen_real = 0
-        self.state = {}
-        self.mode = None
-
+    # -- HF's batch operations, on a dense store only ------------------------------------------
     def crop(self, length: int) -> None:
         """HF rollback: a negative value removes that many tokens, a non-negative one keeps that many."""
         self._require_dense("rolling back (crop)")
@@ -94,19 +88,16 @@ class KVLayer(SeamLayer):
             self.store.truncate_after(target)
         self.seen = target
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._require_dense("beam search")
-        self.store.select_batch(beam_idx.to(self.device))
+    def reorder_cache(self, rows: torch.Tensor) -> None:
+        """Keep or repeat batch ``rows`` (beam search; ``batch_select_indices`` too)."""
+        self._require_dense("selecting batch rows (beam search)")
+        self.store.select_batch(rows)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._require_dense("selecting batch rows")
-        self.store.select_batch(indices.to(self.device))
+    batch_select_indices = reorder_cache
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._require_dense("repeating batch rows")
-        if not self.store.is_empty:
-            batch = self.store.keys.shape[0]
-            self.store.select_batch(torch.arange(batch, device=self.device).repeat_interleave(repeats))
+        rows = 0 if self.store.is_empty else self.store.keys.shape[0]
+        self.reorder_cache(torch.arange(rows).repeat_interleave(repeats))
 
     def _require_dense(self, action: str) -> None:
         if self.parts:
@@ -139,18 +130,23 @@ class KVLayer(SeamLayer):
 
     def attend_stored(self, module, query, positions, scaling, sliding_window, softcap, is_prefill: bool) -> torch.Tensor:
         """Attend ``query`` (its tokens stored at ``positions``) over everything held, then let the methods act."""
-        keys = self.store.keys
-        for method in self.methods:
-            keys = method.read_keys(self, keys, positions)
-        if not self.parts:
-            key_positions, key_valid = self.store.mask_rows()
-            output = attention_math.attend(
-                query, keys, self.store.values, key_positions, key_valid, positions, scaling, sliding_window, softcap
-            )
+        dense = self._presented_store(positions)
+        if self.parts:
+            output = self._attend_in_parts(query, dense, positions, scaling, softcap)
         else:
-            output = self._attend_in_parts(query, keys, positions, scaling, softcap)
+            output = attention_math.attend(
+                query, dense.keys, dense.values, *dense.mask_rows(), positions, scaling, sliding_window, softcap
+            )
         self.act(AttentionStep(module, query, positions, scaling, is_prefill))
         return output
+
+    def _presented_store(self, positions: torch.Tensor) -> DenseKVStore:
+        """The dense store as attention reads it, its keys as the methods present them
+        (:meth:`kvopt.methods.base.Method.read_keys`)."""
+        stored = keys = self.store.keys
+        for method in self.methods:
+            keys = method.read_keys(self, keys, positions)
+        return self.store if keys is stored else self.store.presenting(keys)
 
     def act(self, step: AttentionStep) -> None:
         """Let the methods act on what the layer holds after ``step``'s attention (or a replayed prefill's); a sliding
@@ -160,19 +156,16 @@ class KVLayer(SeamLayer):
         if self.sliding_window is not None:
             self.store.forget_before(self.seen - self.sliding_window + 1)
 
-    def _attend_in_parts(self, query, keys, positions, scaling, softcap) -> torch.Tensor:
-        """Attention over every part, then the dense store (with the keys as methods present them), merged exactly."""
+    def _attend_in_parts(self, query, dense: DenseKVStore, positions, scaling, softcap) -> torch.Tensor:
+        """Attention over every part, then the dense store, merged exactly; or one part's read of itself with the
+        dense store in one call (KVPart's optional hook: kivi's GPU decode kernel)."""
         if self.sliding_window is not None:
             raise CacheUsageError(f"{self.parts[0].kind} cannot serve sliding-window layers yet")
         scale = attention_math.default_scale(query, scaling)
-        # A part may read the dense store with itself in one call (KVPart's optional hook; kivi's GPU decode kernel).
         fuse = getattr(self.parts[0], "attend_with_dense", None) if len(self.parts) == 1 else None
-        if fuse is not None:
-            fused = fuse(query, positions, scale, softcap, (keys, self.store.values, self.store.mask_rows()[1]))
-            if fused is not None:
-                return fused
-        results = [part.attend(query, positions, scale, softcap) for part in self.parts]
-        results.append(self.store.attend(query, positions, scale, softcap, keys=keys))
+        if fuse is not None and (fused := fuse(query, positions, scale, softcap, dense)) is not None:
+            return fused
+        results = [part.attend(query, positions, scale, softcap) for part in (*self.parts, dense)]
         return attention_math.merge_with_lse(results)[0].to(query.dtype).transpose(1, 2).contiguous()
 
     def parts_of(self, kind: type[Part]) -> list[Part]:
@@ -183,13 +176,12 @@ class KVLayer(SeamLayer):
         """Hold ``part`` among the compact parts, after those it reads after (see :attr:`KVPart.read_order`)."""
         bisect.insort(self.parts, part, key=lambda held: held.read_order)
 
+    # -- accounting ---------------------------------------------------------------------------
     def kept_per_row(self) -> torch.Tensor:
-        """Real tokens held per batch row (on KV head 0), on the CPU: parts keep their counts where they keep
-        their bookkeeping (device tensors for a dense store, CPU offsets for ragged segments). An empty dense
-        store has no rows to add."""
+        """Real tokens held per batch row (on KV head 0), on the CPU, wherever each part counts them (device
+        tensors for a dense store, CPU offsets for ragged segments); an empty dense store has no rows to add."""
         counts = [count.cpu() for count in (part.valid_counts() for part in (self.store, *self.parts)) if count.numel()]
         return torch.stack(counts).sum(dim=0) if counts else self.store.valid_counts().cpu()
 
-    # -- accounting ---------------------------------------------------------------------------
     def nbytes(self) -> int:
         return sum(part.nbytes() for part in (self.store, *self.parts))

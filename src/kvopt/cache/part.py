@@ -25,8 +25,9 @@ class KVPart(Protocol):
     """Stored tokens of one layer that attention can read on their own.
 
     Optional hook: ``attend_with_dense(query, query_positions, scaling, softcap, dense)`` for a part that can
-    read the layer's dense store ``(keys, values, valid)`` together with itself in one call, returning the
-    layer's output ``[B, q, H_q, D]`` or None when it does not serve that read (see ``QuantizedKV``).
+    read the layer's dense store (a :class:`~kvopt.cache.storage.DenseKVStore`, its keys as attention reads them)
+    together with itself in one call, returning the layer's output ``[B, q, H_q, D]`` or None when it does not
+    serve that read (see ``QuantizedKV``).
     """
 
     #: What the part holds and which methods make it, for error messages ("quantized tokens (kivi, ...)").

@@ -34,6 +34,7 @@ from kvopt.cache.positions import TokenIndex
 
 if TYPE_CHECKING:
     from kvopt.cache.layer import KVLayer
+    from kvopt.cache.storage import DenseKVStore
 
 #: Elements (batch x KV heads x tokens x head dim) of keys, and of values, dequantized at once by
 #: attention: bounds the transient full-precision copy whatever the batch and head shape (its
@@ -223,7 +224,7 @@ class QuantizedKV:
 
     def attend_with_dense(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None,
-        dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        dense: DenseKVStore,
     ) -> torch.Tensor | None:  # fmt: skip
         """KVPart's optional hook: a decode step over these codes and the layer's dense residual in one kernel (no
         merges), ``[B, 1, H_q, D]`` in the query's dtype; None where :meth:`decodes_fused` says it does not serve."""
@@ -231,7 +232,8 @@ class QuantizedKV:
             return None
         batch, heads, _, dim = query.shape
         output = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
-        return output if self.decode_fused(query, scaling, dense, out=output[:, 0]) else None
+        residual = (dense.keys, dense.values, dense.mask_rows()[1])
+        return output if self.decode_fused(query, scaling, residual, out=output[:, 0]) else None
 
     def decode_fused(
         self, query: torch.Tensor, scaling: float,

@@ -171,12 +171,22 @@ class DenseKVStore:
 
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None,
-        keys: torch.Tensor | None = None, sliding_window: int | None = None,
+        sliding_window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(output, lse)`` in fp32 over the stored tokens; ``keys`` replaces the stored keys when methods
-        present them otherwise (see :meth:`kvopt.methods.base.Method.read_keys`)."""
+        """``(output, lse)`` in fp32 over the stored tokens (:meth:`kvopt.cache.part.KVPart.attend`); a
+        ``sliding_window`` hides keys that many positions older than a query, as :class:`~kvopt.cache.ragged.RaggedKV`
+        does (not in the protocol while other parts cannot honour it)."""
         mask = visibility(*self.mask_rows(), query_positions, sliding_window)
-        return attention_with_lse(query, self.keys if keys is None else keys, self.values, mask, scaling, softcap)
+        return attention_with_lse(query, self.keys, self.values, mask, scaling, softcap)
+
+    def presenting(self, keys: torch.Tensor) -> DenseKVStore:
+        """A view of the live tokens with ``keys [batch, kv_heads, tokens, dim]`` in place of the stored keys, sharing
+        every other tensor: what attention reads when methods present the keys otherwise (re-rotated within the
+        cache, :meth:`kvopt.methods.base.Method.read_keys`). For reading only: writes would reach this store."""
+        view = DenseKVStore()
+        view.__dict__.update(self.__dict__, start=0, end=len(self))
+        view._buffers = {name: keys if name == "keys" else self._live(name) for name in self._buffers}
+        return view
 
     # -- writes --------------------------------------------------------------------------
     def append(
@@ -299,6 +309,7 @@ class DenseKVStore:
         """Keep or repeat batch rows (beam search, batch filtering)."""
         if self.is_empty:
             return
+        index = index.to(self.device)
         self._install({name: self._live(name)[index] for name in self._buffers}, len(self))
 
     def _materialize(self, name: str) -> None:
