@@ -9,7 +9,8 @@ plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.json
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
-(benchmarks/twobit.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
+(benchmarks/twobit.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
+against this CPU's limits (benchmarks/decode_profile.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
 (benchmarks/accelerator.py) run by hand where one is lent; their committed rows get their own section.
 Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
 benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
@@ -33,6 +34,7 @@ from pathlib import Path
 import accelerator
 import both_models
 import codec
+import decode_profile
 import frontier
 import llamacpp
 import load
@@ -86,7 +88,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
-    "frontier,twobit,llamacpp"
+    "frontier,twobit,llamacpp,profile"
 )
 SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
@@ -259,6 +261,8 @@ def main() -> None:
             print("llamacpp step skipped: llama-cpp-python is not installed (see the llamacpp extra in pyproject.toml)")
         else:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp.py"), "--kvopt", "fp32,auto"], check=True)
+    if "profile" in steps:  # a decode step against this CPU's limits (benchmarks/results/decode_profile.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_profile.py")], check=True)
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -522,7 +526,7 @@ def composed(args, plots: Path, previous: str) -> str:
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
              *committed_section(frontier), *committed_section(twobit), *committed_section(llamacpp),
-             *committed_section(accelerator)]  # fmt: skip
+             *committed_section(decode_profile), *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, plots)
     body, kept = report + "\n".join(extra), []
