@@ -93,18 +93,26 @@ def test_ragged_cache_refuses_rollback_and_bad_parameters():
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_sliding_and_softcapped_layers_keep_a_per_head_budget(arch):
-    """Layers ragged storage cannot serve (sliding windows, soft-capped logits) keep the scorer's top tokens per
-    head in the dense store, as snapkv at the same budget does (was a KeyError); the cache generates."""
+def test_sliding_layers_keep_a_per_head_budget_and_soft_capped_ones_go_ragged(arch):
+    """Sliding-window layers, which compact parts do not serve, keep the scorer's top tokens per head in the dense
+    store, as snapkv at the same budget does (was a KeyError); Gemma 2's global layers, soft-capped, hold their
+    head-wise budgets in ragged storage like any layer (ragged attention soft-caps); the cache generates."""
     model = tiny_model(arch)
     ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(0))
     cache, snapkv = kvopt.cache("adakv:ratio=0.75,window=8", model), kvopt.cache("snapkv:ratio=0.75,window=8", model)
     with torch.no_grad():
         model(ids, past_key_values=cache)
         model(ids, past_key_values=snapkv)
-    assert cache.nbytes() == snapkv.nbytes()
-    for layer in cache.layers:
-        assert len(layer.store) == (40 if layer.sliding_window is None else min(160, layer.sliding_window - 1))
+    global_layers = 0
+    for layer, reference in zip(cache.layers, snapkv.layers):
+        if layer.sliding_window is None:
+            (ragged,) = layer.parts_of(RaggedKV)
+            assert len(layer.store) == 0 and int(ragged.offsets[-1]) == 40 * ragged.kv_heads
+            global_layers += 1
+        else:
+            assert not layer.parts and len(layer.store) == min(160, layer.sliding_window - 1)
+            assert layer.nbytes() == reference.nbytes()
+    assert global_layers == (0 if arch == "mistral" else len(cache.layers) // 2)
     out = model.generate(ids, past_key_values=kvopt.cache("adakv:ratio=0.75,window=8", model), max_new_tokens=4,
                          do_sample=False, pad_token_id=0)  # fmt: skip
     assert out.shape[1] == 164

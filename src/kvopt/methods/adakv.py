@@ -9,9 +9,9 @@ and keeps their memory, the survivors are packed per head into a ragged store, s
 held follow the budget. Scores come from the wrapped method (``scorer=snapkv`` by default,
 any registered eviction method works); compression happens once, at prefill. The layer's total follows
 ``budgets=`` (:mod:`kvopt.methods.budgets`: uniform by default, ``pyramid`` as Ada-KV's ``pyram_mode``, or ``xkv``).
-Deviations: the window is protected for every head (as SnapKV), not re-scored; sliding-window and
-soft-capped layers (Mistral, Gemma 2), which ragged storage cannot serve yet, keep the same budget per
-head (the scorer's top tokens per head, in the dense store).
+Deviations: the window is protected for every head (as SnapKV), not re-scored; sliding-window layers
+(Mistral, Gemma 2's local layers), which compact parts do not serve, keep the same budget per head (the
+scorer's top tokens per head, in the dense store, which forgets what leaves the window).
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ class AdaKV(LayerBudgets):
         scores = self._scorer.score(layer, step).float()
         if scores.shape[1] == 1:  # a layer-shared scorer: every head sees the same scores
             scores = scores.expand(-1, layer.store.keys.shape[1], -1)
-        softcap = getattr(getattr(step.module, "config", None), "attn_logit_softcapping", None)
-        if softcap or layer.sliding_window is not None:
-            keep_top(layer, scores, targets, self.window)  # ragged storage cannot serve this layer yet
+        if layer.sliding_window is not None:
+            keep_top(layer, scores, targets, self.window)  # parts do not serve a sliding window
             return
         RaggedKV.move_into(layer, allocate(scores, layer.store.valid, targets, self.window, self.alpha))
 
