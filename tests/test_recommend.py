@@ -106,6 +106,24 @@ def test_prompts_rank_full_first_and_resume(model_folder, tmp_path, monkeypatch)
     assert last[1] == f"kvopt serve --model {model_folder} --kv-method full --kv-memory 1000000 --max-model-len 256 --max-num-seqs 1"
 
 
+def test_prompts_take_full_as_the_reference_when_it_does_not_fit(model_folder, tmp_path):
+    """A budget too small for ``full``: it still answers every prompt (the reference), and only the candidates that
+    fit are ranked by agreement with it (was a KeyError)."""
+    write_rows(tmp_path / "results", str(model_folder), SCORES)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}: the cat sleeps in the warm sun near the old barn. " * 6})
+                               + "\n" for i in range(3)))  # fmt: skip
+    full = recommend("1GB", 256, model=str(model_folder), results=tmp_path / "results").candidates
+    squeezed = min(c.kv_bytes for c in full if c.spec != "full")
+    found = recommend(squeezed, 256, model=str(model_folder), prompts=prompts, results=tmp_path / "results", top=1,
+                      max_tokens=4)  # fmt: skip
+    assert "full" not in [c.spec for c in found.candidates]
+    ran = [c for c in found.candidates if c.agreement is not None]
+    assert len(ran) == 1 and ran[0].agreement.prompts == 3
+    stored = [json.loads(line)["spec"] for line in (tmp_path / "mine.recommend.jsonl").read_text().splitlines()]
+    assert stored.count("full") == 3 and stored.count(ran[0].spec) == 3
+
+
 def test_nearest_measured_model_is_said(model_folder, tmp_path):
     other = tmp_path / "sibling"
     shutil.copytree(model_folder, other)

@@ -385,20 +385,21 @@ def run_prompts(
     max_tokens: int, device: str, progress: Progress | None,
 ) -> list[Candidate]:  # fmt: skip
     """``ranked`` with the agreement of ``full`` and the ``top`` best others on ``prompts`` filled in (answers stored
-    in ``<path>.recommend.jsonl`` and read back on a rerun)."""
+    in ``<path>.recommend.jsonl`` and read back on a rerun). ``full`` answers as the reference whether or not it
+    fits the memory (it is then not among ``ranked``)."""
     from kvopt.api import load_model
     from kvopt.eval.contenders import parse_contender
     from kvopt.eval.decoding import QUERY_AWARE, run_prompt, stop_token_ids
 
-    chosen = [c for c in ranked if c.spec == "full"] + [c for c in ranked if c.spec != "full"][:top]
+    specs = ["full", *[c.spec for c in ranked if c.spec != "full"][:top]]
     store = writable_file(path.with_name(path.name.removesuffix(".jsonl") + ANSWERS_SUFFIX), "--prompts")
     settings = {"model": label, "max_tokens": max_tokens}
     answers = {
         (row["spec"], row["prompt"]): row["tokens"]
         for row in load_rows(store) if all(row.get(k) == v for k, v in settings.items())
     }  # fmt: skip
-    missing = [(c.spec, entry) for c in chosen for entry in prompts if (c.spec, _key(entry)) not in answers]
-    total, done = len(chosen) * len(prompts), len(chosen) * len(prompts) - len(missing)
+    missing = [(spec, entry) for spec in specs for entry in prompts if (spec, _key(entry)) not in answers]
+    total, done = len(specs) * len(prompts), len(specs) * len(prompts) - len(missing)
     if missing:
         loaded, tokenizer = load_model(model, device=device)
         ids = {_key(entry): _prompt_ids(entry, tokenizer) for entry in prompts}
@@ -419,7 +420,7 @@ def run_prompts(
             if progress is not None:
                 progress(done, total, spec)
     reference = [answers[("full", _key(p))] for p in prompts]
-    agreed = {c.spec: _agreement([answers[(c.spec, _key(p))] for p in prompts], reference) for c in chosen}
+    agreed = {spec: _agreement([answers[(spec, _key(p))] for p in prompts], reference) for spec in specs}
     return [replace(c, agreement=agreed.get(c.spec)) for c in ranked]
 
 
