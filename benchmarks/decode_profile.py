@@ -36,13 +36,16 @@ ROWS = ROOT / "benchmarks" / "results" / "decode_profile.jsonl"
 #: Op groups, in the order the table lists them.
 GROUPS = ("weight matmuls", "output projection", "attention", "other torch ops", "outside torch ops")
 MATMULS = {"aten::mm", "aten::addmm"}
-ATTENTION = ("scaled_dot_product", "aten::bmm", "aten::logsumexp", "aten::_softmax")
+#: The CPU flash kernel (the decode path calls it directly), whose shapes give its FLOPs and bytes.
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+#: Attention's other ops: SDPA's dispatcher and the log-sum-exp parts (their self time only; no FLOPs counted).
+ATTENTION = {FLASH, "aten::scaled_dot_product_attention", "aten::bmm", "aten::logsumexp", "aten::_softmax"}
 
 
-def limits(repeats: int = 5) -> dict[str, float]:
-    """This core's fp32 matmul rate (GFLOP/s, a 2048-square mm) and read bandwidth (GB/s, a sum over 512 MB)."""
+def limits(repeats: int = 5, read_mb: int = 512) -> dict[str, float]:
+    """This core's fp32 matmul rate (GFLOP/s, a 2048-square mm) and read bandwidth (GB/s, a sum over ``read_mb``)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    big = torch.randn(128 * 1024 * 1024)
+    big = torch.randn(read_mb * 1024 * 1024 // 4)
 
     def best(work) -> float:
         work()
@@ -57,17 +60,17 @@ def limits(repeats: int = 5) -> dict[str, float]:
             "read_gbs": round(big.numel() * 4 / best(big.sum) / 1e9, 1)}  # fmt: skip
 
 
-def classify(name: str, shapes: list, vocab: int) -> tuple[str, float, float]:
-    """``(group, FLOPs, bytes read)`` of one call of an op with these input shapes (FLOPs and bytes only where
-    they mean something: matmuls and attention)."""
-    if name in MATMULS:
-        (rows, inner), (_, cols) = shapes[-2], shapes[-1]
+def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str, float, float]:
+    """``(group, FLOPs, bytes read)`` of one call of an op with these input shapes, ``element`` bytes per value
+    (FLOPs and bytes only where they mean something: matmuls and the flash kernel)."""
+    if name in MATMULS:  # mm: [[M, K], [K, N]]; addmm: [[N], [M, K], [K, N], [], []] (bias, then beta and alpha)
+        (rows, inner), (_, cols) = [shape for shape in shapes if len(shape) == 2][-2:]
         group = "output projection" if cols == vocab else "weight matmuls"
-        return group, 2.0 * rows * inner * cols, 4.0 * inner * cols
-    if any(part in name for part in ATTENTION):
-        if "scaled_dot_product" in name and len(shapes) >= 3 and len(shapes[0]) == 4:
-            (batch, heads, queries, dim), (_, kv_heads, keys, _) = shapes[0], shapes[1]
-            return "attention", 4.0 * batch * heads * queries * keys * dim, 2 * 4.0 * batch * kv_heads * keys * dim
+        return group, 2.0 * rows * inner * cols, float(element * inner * cols)
+    if name == FLASH:  # query [B, H, q, D] (grouped queries folded: H is the KV heads), keys and values [B, H, k, D]
+        (batch, heads, queries, dim), (_, kv_heads, keys, _) = shapes[0], shapes[1]
+        return "attention", 4.0 * batch * heads * queries * keys * dim, 2.0 * element * batch * kv_heads * keys * dim
+    if name in ATTENTION:
         return "attention", 0.0, 0.0
     return "other torch ops", 0.0, 0.0
 
@@ -102,9 +105,10 @@ def profile(sequences: int, steps: int, kv_memory: str) -> dict:
             core.step()
         profiled = (time.perf_counter() - start) / steps
     vocab = core.model.config.get_text_config().vocab_size
+    element = core.model.dtype.itemsize
     totals = {group: {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "calls": 0} for group in GROUPS}
     for event in profiler.key_averages(group_by_input_shape=True):
-        group, flops, read = classify(event.key, event.input_shapes, vocab)
+        group, flops, read = classify(event.key, event.input_shapes, vocab, element)
         total = totals[group]
         total["seconds"] += event.self_cpu_time_total / 1e6 / steps
         total["flops"] += flops * event.count / steps
@@ -116,6 +120,7 @@ def profile(sequences: int, steps: int, kv_memory: str) -> dict:
     return {"step": "decode_profile", "sequences": sequences, "context_tokens": round(context), "steps": steps,
             "step_ms": round(1000 * step_seconds, 1), "tok_s": round(sequences / step_seconds, 2),
             "profiled_step_ms": round(1000 * profiled, 1), "threads": torch.get_num_threads(),
+            "dtype": str(core.model.dtype).removeprefix("torch."),
             "groups": {group: {"ms": round(1000 * total["seconds"], 2), "gflop": round(total["flops"] / 1e9, 4),
                                "mb": round(total["bytes"] / 1e6, 2), "calls": round(total["calls"], 1)}
                        for group, total in totals.items()}}  # fmt: skip
@@ -155,18 +160,21 @@ def main() -> None:
 # -- the BENCHMARKS.md section ------------------------------------------------------------------
 def render(rows: list[dict]) -> str:
     """Markdown for the committed rows (``committed_section`` in benchmarks/run.py)."""
-    limit = rows[0]["limits"]
-    lines = [f"## A decode step against this CPU's limits ({rows[0]['threads']} thread)", "",
+    threads = "/".join(str(count) for count in sorted({row["threads"] for row in rows}))
+    lines = [f"## A decode step against this CPU's limits ({threads} thread)", "",
              opening("python benchmarks/decode_profile.py", row_dates(ROWS), ROWS), "",
-             f"The limits, measured in the same run: fp32 matmul {limit['matmul_gflops']} GFLOP/s (a 2048-square "
-             f"`torch.mm`), read bandwidth {limit['read_gbs']} GB/s. Default model in fp32, `full` KV, prompts of "
-             "100-200 tokens; each op's self time per decode step, from `torch.profiler`. A share of a limit is the "
-             "op's rate over the measured limit: the matmuls are bounded by arithmetic, attention by the keys and "
-             "values it reads.", ""]  # fmt: skip
+             "The default model, `full` KV, prompts of 100-200 tokens; each op's self time per decode step, from "
+             "`torch.profiler`. The limits are measured in each table's own run, just before it: the matmul rate of a "
+             "2048-square fp32 `torch.mm` and the read bandwidth of a `sum` over 512 MB. A share of a limit is the "
+             "op's rate over it: the matmuls are bounded by arithmetic, attention by the keys and values it reads.",
+             ""]  # fmt: skip
     for row in sorted(rows, key=lambda row: row["sequences"]):
+        limit = row["limits"]
         lines += [f"### {row['sequences']} sequences decoding (context ~{row['context_tokens']} tokens): "
                   f"{row['step_ms']:.0f} ms per step, {row['tok_s']:.1f} tok/s ({row['profiled_step_ms']:.0f} ms "
                   "under the profiler, whose cost per op lands mostly on the small ops)", "",
+                  f"Limits in this run: matmul {limit['matmul_gflops']} GFLOP/s, read {limit['read_gbs']} GB/s; "
+                  f"the model in {row.get('dtype', 'float32')}.", "",
                   "| ops | ms per step | share of the step | calls | GFLOP/s | of the matmul limit | GB/s read | "
                   "of the bandwidth |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         total = sum(group["ms"] for group in row["groups"].values())

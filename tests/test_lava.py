@@ -160,14 +160,14 @@ def test_batch_rows_keep_what_they_keep_alone():
             assert mine == segments(theirs)
 
 
-def test_layers_ragged_storage_cannot_serve_keep_the_uniform_share():
+def test_sliding_layers_keep_the_uniform_share_and_soft_capped_ones_go_ragged():
     model = tiny_model("gemma2")  # sliding layers and soft-capped attention
     ids, mask = random_batch([90, 61], seed=2)
     cache = kvopt.cache("lava:ratio=0.5,window=8", model)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)  # fmt: skip
     assert all(torch.isfinite(step).all() for step in out.logits)
-    assert not any(layer.parts for layer in cache.layers)
+    assert [bool(layer.parts) for layer in cache.layers] == [layer.sliding_window is None for layer in cache.layers]
 
 
 @pytest.mark.parametrize(

@@ -182,10 +182,13 @@ class DenseKVStore:
     def presenting(self, keys: torch.Tensor) -> DenseKVStore:
         """A view of the live tokens with ``keys [batch, kv_heads, tokens, dim]`` in place of the stored keys, sharing
         every other tensor: what attention reads when methods present the keys otherwise (re-rotated within the
-        cache, :meth:`kvopt.methods.base.Method.read_keys`). For reading only: writes would reach this store."""
+        cache, :meth:`kvopt.methods.base.Method.read_keys`). For reading only: writes to its values, positions or
+        validity would reach this store; methods' extras (scores they accumulate) are left out, as attention never
+        reads them."""
         view = DenseKVStore()
         view.__dict__.update(self.__dict__, start=0, end=len(self))
-        view._buffers = {name: keys if name == "keys" else self._live(name) for name in self._buffers}
+        shown = (name for name in self._buffers if not name.startswith("extra:"))
+        view._buffers = {name: keys if name == "keys" else self._live(name) for name in shown}
         return view
 
     # -- writes --------------------------------------------------------------------------

@@ -15,8 +15,8 @@ Cost: one extra forward over the context (plus a short prompt per chunk) attendi
 whole cached context, about 3-4x the prefill time of the context alone here (BENCHMARKS.md).
 Deviations: chunks after the first restart from the previous chunk's last tokens as in the
 paper's code; scores are attention over the whole context (the paper's code renormalises over
-the chunk being rebuilt); layers that ragged storage cannot serve yet (sliding-window or
-soft-capped attention) keep the per-layer share under ``budgets=global``.
+the chunk being rebuilt); sliding-window layers, which compact parts do not serve, keep the
+per-layer share under ``budgets=global``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class KVzip(Eviction):
     def select(self, cache, model) -> None:
         """Keep the best-scored tokens: one ranking over the layers ragged storage serves, or per layer."""
         together = []
-        if self.budgets == "global" and not getattr(model.config, "attn_logit_softcapping", None):
+        if self.budgets == "global":
             together = [layer for layer in cache.layers if layer.sliding_window is None]
         for layer in cache.layers:
             if not any(layer is other for other in together):

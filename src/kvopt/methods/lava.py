@@ -13,9 +13,9 @@ Survivors are packed per head into ragged storage, so the bytes follow both budg
 
 The layer budgets need every layer's scores: each layer scores itself after its attention and
 waits, dense, until the last layer of the prefill has scored, then all are compressed at once
-(the prefill's peak memory is the lossless one). Layers ragged storage cannot serve yet
-(sliding-window or soft-capped attention) are compressed at once with the uniform share, and
-take no part in the layer split.
+(the prefill's peak memory is the lossless one). Sliding-window layers, which compact parts do
+not serve, are compressed at once with the uniform share (in the dense store), and take no part in
+the layer split.
 
 Deviations: the public code compresses each layer as soon as it is scored with the share the
 layers seen so far give it, and later only shrinks it (a layer cannot grow back); here every
@@ -72,9 +72,8 @@ class LAVa(AdaKV):
         targets = self.targets(layer, step)
         scores = self.score(layer, step).float()
         heads = layer.store.keys.shape[1]
-        softcap = getattr(getattr(step.module, "config", None), "attn_logit_softcapping", None)
-        if softcap or layer.sliding_window is not None:
-            keep_top(layer, scores, targets, self.window)  # ragged storage cannot serve this layer yet
+        if layer.sliding_window is not None:
+            keep_top(layer, scores, targets, self.window)  # parts do not serve a sliding window
         else:
             layer.state[f"{self.name}.scores"] = scores.expand(-1, heads, -1) * value_bound(layer.store, self.window)
         if layer.index == len(layer.siblings) - 1:

@@ -307,7 +307,7 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
 def model_tokenizer(model, needed: str):
     """The tokenizer saved with ``model`` (in the folder it was loaded from), for methods that calibrate on real
     text in the model's own tokens; without a usable one (none there, or more tokens than the model embeds), a
-    :class:`ModelFileError` (the model's folder lacks it) saying ``needed``: why the method needs it and what to do
+    :class:`ModelFileError` (the model came without a usable one) saying ``needed``: why the method needs it and what to do
     instead."""
     from transformers import AutoTokenizer
 
