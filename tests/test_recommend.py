@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kvopt.cli.main import app, main
 from kvopt.errors import KVOptError
 from kvopt.eval import recommend as module
+from kvopt.eval.report import Retention
 from kvopt.eval.recommend import measured_rows, recommend
 from kvopt.eval.report import retention
 
@@ -122,6 +123,18 @@ def test_prompts_take_full_as_the_reference_when_it_does_not_fit(model_folder, t
     assert len(ran) == 1 and ran[0].agreement.prompts == 3
     stored = [json.loads(line)["spec"] for line in (tmp_path / "mine.recommend.jsonl").read_text().splitlines()]
     assert stored.count("full") == 3 and stored.count(ran[0].spec) == 3
+
+
+def test_with_prompts_only_a_candidate_checked_on_them_is_chosen():
+    """Checked candidates below the floor are not passed over for one the prompts never saw (its grid share meets
+    the floor): nothing is chosen, and the no-fit message names the best checked one."""
+    grid = Retention(prompts=10, answered=10, accuracy=0.95, reference_accuracy=1.0, kept=0.95, low=0.7, high=0.99)
+    checked = module.Candidate("kivi", 10, grid, None, None, module.Agreement(prompts=20, same=7, prefix=0.5))
+    unchecked = module.Candidate("mixedkv", 20, grid, None, None)
+    found = module.Recommendation("m", 64, 1024, 8, 0.9, "float16", "m", None, "rows", (checked, unchecked), "p.jsonl")
+    assert found.choice is None and found.serve_command() is None
+    without_prompts = module.Recommendation("m", 64, 1024, 8, 0.9, "float16", "m", None, "rows", (unchecked,))
+    assert without_prompts.choice is unchecked
 
 
 def test_nearest_measured_model_is_said(model_folder, tmp_path):

@@ -124,9 +124,12 @@ class Recommendation:
 
     @property
     def choice(self) -> Candidate | None:
-        """The best-ranked candidate keeping at least ``quality`` (the best one when no floor is given)."""
+        """The best-ranked candidate keeping at least ``quality`` (the best one when no floor is given). With the
+        user's prompts run, only the candidates checked on them: one the prompts never saw is not chosen over
+        those they found short of the floor on its grid share alone."""
         floor = self.quality or 0.0
-        return next((c for c in self.candidates if c.quality >= floor - 1e-12), None)
+        checked = [c for c in self.candidates if c.agreement is not None]
+        return next((c for c in checked or self.candidates if c.quality >= floor - 1e-12), None)
 
     def serve_command(self) -> str | None:
         """The exact ``kvopt serve`` line for :attr:`choice`, or None when nothing meets the floor."""
