@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvopt.cache.kv_cache import KVCache
 from kvopt.cache.prerope import RopeError, rope_positions
@@ -59,6 +58,7 @@ from kvopt.methods.base import register, require_positive
 from kvopt.methods.eviction import Eviction, keep_top, protect_first
 from kvopt.methods.locret_data import prose_sequences
 from kvopt.methods.nuq_calibration import attention_modules
+from kvopt.methods.scores import pool
 from kvopt.methods.spec import evicts
 
 #: Set on an attention module once :func:`split_prompt` and :func:`join_prompt` are registered on it.
@@ -163,9 +163,7 @@ class Locret(Eviction):
         targets = self.prompt_target(layer)
         if len(store) > int(targets.max()):
             window = targets if self.budget is not None else targets // 4
-            scores = store.extra(SCORES)
-            if self.pool:  # SnapKV's smoothing: a needle's neighbours go with it
-                scores = F.max_pool1d(scores, self.pool, stride=1, padding=self.pool // 2)
+            scores = pool(store.extra(SCORES), self.pool, "max")  # SnapKV's smoothing: a needle's neighbours go with it
             keep_top(layer, protect_first(scores, store.valid, self.sinks), targets, window.clamp(max=self.window))
         if layer.seen == end:  # the prompt is in: its scores are no longer needed
             store.drop_extra(SCORES)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
 from kvopt.methods.eviction import Eviction, keep_top, protect_first
+from kvopt.methods.scores import pool
 
 
 @register
@@ -104,11 +105,7 @@ class Surprisal(Eviction):
 
     def pooled(self, surprisal: torch.Tensor) -> torch.Tensor:
         """Each token's surprisal pooled (max or mean) over the ``pool`` tokens either side, ``[batch, tokens]``."""
-        if not self.pool:
-            return surprisal
-        if self.pooling == "max":
-            return F.max_pool1d(surprisal[:, None], 2 * self.pool + 1, stride=1, padding=self.pool)[:, 0]
-        return F.avg_pool1d(surprisal[:, None], 2 * self.pool + 1, stride=1, padding=self.pool)[:, 0]
+        return pool(surprisal, 2 * self.pool + 1, "max" if self.pooling == "max" else "avg")
 
 
 def prompt_surprisal(
