@@ -10,7 +10,9 @@ streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kv
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
 (benchmarks/twobit.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
-against this CPU's limits (benchmarks/decode_profile.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
+against this CPU's limits (benchmarks/decode_profile.py), routers across engine replicas on a local Ray cluster
+(benchmarks/cluster.py, where Ray is installed), retrieved documents reused at any position (benchmarks/blend.py),
+then the report with plots into benchmarks/report/. The timed targets on a GPU
 (benchmarks/accelerator.py) run by hand where one is lent; their committed rows get their own section.
 Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
 benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
@@ -32,7 +34,9 @@ import time
 from pathlib import Path
 
 import accelerator
+import blend
 import both_models
+import cluster
 import codec
 import decode_profile
 import frontier
@@ -88,9 +92,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
-    "frontier,twobit,llamacpp,profile"
+    "frontier,twobit,llamacpp,profile,cluster,blend"
 )
-SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit"
+SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit,blend"
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
 DEFAULT_LENGTHS, SECOND_MODEL_LENGTHS = "2048,4096", "4096,8192"
 #: The longest prompts (second model only): the lossless cache, the best query-agnostic method, SnapKV and KIVI.
@@ -263,6 +267,15 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp.py"), "--kvopt", "fp32,auto"], check=True)
     if "profile" in steps:  # a decode step against this CPU's limits (benchmarks/results/decode_profile.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_profile.py")], check=True)
+    if "cluster" in steps:  # routers across engine replicas on a local Ray cluster (benchmarks/results/cluster.jsonl)
+        if importlib.util.find_spec("ray") is None:
+            print("cluster step skipped: Ray is not installed (pip install kvopt[cluster])")
+        else:
+            for options in ([], ["--kv-memory", "256MB"], ["--replicas", "1"]):  # roomy pools, pressed pools, one replica
+                subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster.py"), *options], check=True)
+    if "blend" in steps:  # chunk caching on retrieval prompts, both models' rows in one file (results/blend.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "blend.py"), *(["--model", args.model] if second else [])],
+                       check=True)  # fmt: skip
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -526,7 +539,8 @@ def composed(args, plots: Path, previous: str) -> str:
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
              *committed_section(frontier), *committed_section(twobit), *committed_section(llamacpp),
-             *committed_section(decode_profile), *committed_section(accelerator)]  # fmt: skip
+             *committed_section(decode_profile), *committed_section(cluster), *committed_section(blend),
+             *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, plots)
     body, kept = report + "\n".join(extra), []

@@ -70,6 +70,17 @@ def test_a_chunk_opening_the_prompt_is_reused_exactly(model, reference):
     torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("strategy", ["cacheblend", "epic"])
+def test_a_prompt_with_nothing_to_recompute_needs_no_forward_and_is_exact(model, reference, strategy):
+    # A leading chunk and a one-token question: concatenation and EPIC recompute nothing before the last token.
+    chunk, question = tokens(24, 5), tokens(1, 6)
+    blended = blend(model, [Chunk(tuple(chunk)), question], ChunkStore(model), blend_ratio=0.0, strategy=strategy)
+    with torch.no_grad():
+        expected = reference(torch.tensor([chunk + question])).logits[0, -1]
+    assert blended.recomputed == 0 and blended.cache.get_seq_length() == 24
+    torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("start", [1, 37, 300])
 def test_reuse_at_another_position_equals_computing_the_chunk_there(model, reference, start):
     chunk, question = tokens(24, 7), tokens(5, 8)
@@ -319,6 +330,18 @@ def test_engine_chunks_go_through_the_kv_tiers_to_another_engine(tiny_with_token
     assert_pool_empty(second)
 
 
+def test_the_chunk_memory_bounds_what_the_engine_keeps(tiny_with_tokenizer):
+    params = kvopt.SamplingParams(max_tokens=2, temperature=0)
+    prompts = [{"chunks": [document], "prompt": "Why?"} for document in (DOCS[0], DOCS[1], DOCS[0])]
+    roomy, tight = chunk_llm(tiny_with_tokenizer), chunk_llm(tiny_with_tokenizer, chunk_memory="1KB")
+    for llm in (roomy, tight):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert roomy.engine._chunk_stores["full"].stats.hits == 1  # the first document again
+    store = tight.engine._chunk_stores["full"]
+    assert store.stats.hits == 0 and store.stats.stores == 3 and store.stats.bytes_stored == 0  # none fits in 1 KB
+    assert_pool_empty(tight)
+
+
 def test_engine_chunk_requests_refuse_bad_input_alone(tiny_with_tokenizer):
     from kvopt.engine.config import EngineConfigError
     from kvopt.engine.requests import RequestSchemaError
@@ -339,6 +362,8 @@ def test_engine_chunk_requests_refuse_bad_input_alone(tiny_with_tokenizer):
     assert_pool_empty(llm)
     with pytest.raises(EngineConfigError, match="outside"):
         chunk_llm(tiny_with_tokenizer, blend_ratio=2.0)
+    with pytest.raises(EngineConfigError, match="chunk_memory"):
+        chunk_llm(tiny_with_tokenizer, chunk_memory="lots")
     with pytest.raises(kvopt.engine.llm_engine.RequestError, match="enable_chunk_caching"):
         chunk_llm(tiny_with_tokenizer, enable_chunk_caching=False).generate([{"chunks": [DOCS[0]], "prompt": "x"}])
 

@@ -208,16 +208,24 @@ def _blend_forward(model, ids: torch.Tensor, plan: _Plan) -> KVCache:
     cache = KVCache.for_model([blender], model)
     if not plan.width:
         return cache
-    install(model)
-    if plan.chosen is not None:
-        propagate(cache.layers, plan, plan.chosen)
-    with torch.no_grad():
-        model(input_ids=ids[:, : plan.width], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    # Nothing to recompute (chunks only before the last token, blended by concatenation or EPIC): no forward at all.
+    computes = plan.chosen is None or bool(plan.chosen.any())
+    if computes:
+        install(model)
+        if plan.chosen is not None:
+            propagate(cache.layers, plan, plan.chosen)
+        with torch.no_grad():
+            model(input_ids=ids[:, : plan.width], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         keys, values = plan.keys[layer.index].clone(), plan.values[layer.index].clone()
-        columns = layer.store.positions[0, 0].long()
-        keys[:, :, columns] = layer.store.keys
-        values[:, :, columns] = layer.store.values
+        if computes:
+            columns = layer.store.positions[0, 0].long()
+            keys[:, :, columns] = layer.store.keys
+            values[:, :, columns] = layer.store.values
+        else:  # the layer saw no forward: it holds the reused tokens as if it had
+            columns = torch.zeros(0, dtype=torch.long, device=keys.device)
+            layer.lazy_initialization(keys, values)
+            layer.seen = plan.width
         layer.store, layer.parts = DenseKVStore.wrap(keys, values), []
         layer.state[RECORDED_PREFILL] = plan.steps.get(
             layer.index, AttentionStep(None, keys[:, :0], columns[:0], None, True)

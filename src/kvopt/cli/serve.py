@@ -43,6 +43,8 @@ def serve(
     speculate_max_batch: SpeculateMaxBatchOption = None,
     chunk_caching: Annotated[bool, typer.Option("--chunk-caching/--no-chunk-caching", help="reuse the KV of the "
                                                 "\"documents\" a chat request names wherever they appear (CacheBlend)")] = False,
+    chunk_memory: Annotated[str, typer.Option(help="with --chunk-caching: the documents' KV kept in memory "
+                                              "(least recently used first out; more in --kv-tier)")] = "256MB",
     replicas: Annotated[Optional[int], typer.Option(help="engine replicas on Ray Serve behind a KV-aware router "
                                                     "(pip install kvopt[cluster]); each takes --threads CPUs (default 1)")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="join a running Ray cluster: auto, or the head's HOST:PORT; "
@@ -51,7 +53,10 @@ def serve(
     max_replicas: Annotated[Optional[int], typer.Option(help="autoscale the replicas with load, up to this many")] = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
+    import torch
+
     from kvopt.engine import EngineConfig
+    from kvopt.engine.config import parse_memory
     from kvopt.engine.offload import tier_spec
     from kvopt.methods import parse
     from kvopt.models.cpu_features import check_model_dtype
@@ -64,6 +69,7 @@ def serve(
     check_model_dtype(dtype)
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
                  max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch)
+    parse_memory(chunk_memory, torch.device("cpu"), "chunk_memory")
     tiers = tuple(kv_tier or ())
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
         tier_spec(spec)
@@ -72,11 +78,9 @@ def serve(
                        device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
                        speculate=speculate, speculate_max_batch=speculate_max_batch,
-                       enable_chunk_caching=chunk_caching)  # fmt: skip
+                       enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory)  # fmt: skip
 
     def load():
-        import torch
-
         from kvopt.engine import LLM
 
         if threads is not None:

@@ -200,15 +200,18 @@ class RouterCollector:
             family = kind(f"kvopt:router_{name}", doc, labels=["model_name"])
             family.add_metric(labels, sum(getattr(router.stats, name) for router in routers))
             yield family
-        decisions = [seconds for router in routers for seconds in router.stats.decision_seconds]
-        summary = SummaryMetricFamily("kvopt:router_decision_seconds", "Time the router took per decision (latest "
-                                      "10,000 per router).", labels=["model_name"])  # fmt: skip
-        summary.add_metric(labels, len(decisions), sum(decisions))
-        yield summary
-        p99 = GaugeMetricFamily("kvopt:router_decision_p99_seconds", "99th percentile of the router's time per decision "
-                                "(latest 10,000 per router).", labels=["model_name"])  # fmt: skip
-        p99.add_metric(labels, sorted(decisions)[int(0.99 * (len(decisions) - 1))] if decisions else 0.0)
-        yield p99
+        for name, clock in (("decision", "wall-clock time"), ("decision_cpu", "CPU time in its thread")):
+            decisions = sorted(seconds for router in routers for seconds in getattr(router.stats, f"{name}_seconds"))
+            summary = SummaryMetricFamily(f"kvopt:router_{name}_seconds", f"The router's {clock} per decision (latest "
+                                          "10,000 per router).", labels=["model_name"])  # fmt: skip
+            summary.add_metric(labels, len(decisions), sum(decisions))
+            yield summary
+            for quantile in (50, 99):
+                gauge = GaugeMetricFamily(f"kvopt:router_{name}_p{quantile}_seconds", f"{quantile}th percentile of the "
+                                          f"router's {clock} per decision (latest 10,000 per router).",
+                                          labels=["model_name"])  # fmt: skip
+                gauge.add_metric(labels, decisions[int(quantile / 100 * (len(decisions) - 1))] if decisions else 0.0)
+                yield gauge
         replicas = GaugeMetricFamily("kvopt:router_replicas", "Engine replicas the router can send to.",
                                      labels=["model_name"])  # fmt: skip
         replicas.add_metric(labels, max([len(router.curr_replicas) for router in routers] + [0]))

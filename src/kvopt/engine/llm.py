@@ -36,13 +36,15 @@ class LLM:
     ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"chunks": [doc_a, doc_b], "prompt": question}``
     (documents as text or token ids): each document's KV is computed once, kept by content (and in ``kv_tiers``), and
     reused wherever it appears, blended by ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens
-    recomputed, 0 = plain concatenation, 1 = full prefill; ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`.
+    recomputed, 0 = plain concatenation, 1 = full prefill; ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`;
+    ``chunk_memory`` bounds the chunk KV kept in this process (least recently used first out).
     """
 
     def __init__(
         self, model=None, kv_method: str = "full", block_size: int = 16, kv_memory: str | int | float = "1GB",
         enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, enable_chunk_caching: bool = False,
-        blend_ratio: float = 0.15, blend_strategy: str = "cacheblend", **engine_options,
+        blend_ratio: float = 0.15, blend_strategy: str = "cacheblend", chunk_memory: str | int | float = "256MB",
+        **engine_options,
     ) -> None:  # fmt: skip
         config = EngineConfig(kv_method, block_size, kv_memory, enable_prefix_caching, **engine_options)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
@@ -55,7 +57,7 @@ class LLM:
         _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
         if enable_chunk_caching:
-            self.engine.enable_chunk_caching(blend_ratio, blend_strategy)
+            self.engine.enable_chunk_caching(blend_ratio, blend_strategy, memory=chunk_memory)
         self._ids = itertools.count()
         #: One caller at a time drives the engine (which is not thread-safe): add, step, abort, snapshots.
         self._lock = threading.RLock()

@@ -163,12 +163,15 @@ class LLMEngine:
         self._chunk_settings: dict | None = None
         self._chunk_stores: dict[str, ChunkStore] = {}
 
-    def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16) -> None:
-        """Serve :class:`ChunkedPrompt` requests: chunk KV kept by content (in the KV tiers too) and blended."""
+    def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
+                             memory: str | int | float = "256MB") -> None:  # fmt: skip
+        """Serve :class:`ChunkedPrompt` requests: chunk KV kept by content, up to ``memory`` bytes in this process per
+        KV method (least recently used first out; more in the KV tiers), and blended."""
         try:
             check_settings(blend_ratio, strategy, epic_tokens)
         except ChunkError as error:
             raise EngineConfigError(str(error)) from None
+        self._chunk_memory = parse_memory(memory, next(self.model.parameters()).device, "chunk_memory")
         self._chunk_settings = {"blend_ratio": blend_ratio, "strategy": strategy, "epic_tokens": epic_tokens}
 
     def _drafting(self, device: torch.device) -> Drafting | None:
@@ -240,7 +243,7 @@ class LLMEngine:
         tiers = self.offload.chain if self.offload is not None else None
         try:
             if spec not in self._chunk_stores:
-                self._chunk_stores[spec] = ChunkStore(self.model, spec, tiers)
+                self._chunk_stores[spec] = ChunkStore(self.model, spec, tiers, self._chunk_memory)
             pieces = [Chunk(tuple(self._piece_ids(document))) for document in prompt.chunks]
         except ChunkError as error:
             return [], str(error)

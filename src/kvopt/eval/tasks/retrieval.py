@@ -12,6 +12,8 @@ in other prompts at other positions, which is what chunk caching reuses (:mod:`k
 - ``retrieval_2hop``: "... of the archive that the calm otter archive replaced?": the link is in one passage,
   the number in another, so the answer needs attention across documents.
 
+A prompt of up to 2k tokens holds ``passages`` documents (4 as registered); a longer one 4 more per 2k tokens, up
+to half the pool (:meth:`Retrieval.count`: 8 at 4k, as CacheBlend's prompts of ~500-token passages).
 The documents take about 70% of the target length less :data:`RESERVED` (:data:`PASSAGE_SHARE`, at an assumed
 :data:`TOKENS_PER_WORD`); the rest, so the prompt fills the length as the sizing requires, is a background
 preamble: the opening words of the same prose, the same for every prompt (a shared prefix). The
@@ -74,15 +76,19 @@ class Retrieval(Task):
     def __init__(self, name: str, passages: int = 4, hops: int = 1) -> None:
         self.name, self.passages, self.hops = name, passages, hops
 
+    def count(self, length: int) -> int:
+        """Documents per prompt at a target ``length``: ``passages`` up to 2k tokens, then as many more per 2k."""
+        return min(POOL // 2, self.passages * max(1, length // 2048))
+
     def passage_words(self, length: int) -> int:
         """Words per document at a target ``length`` (the same for every prompt of that length)."""
-        return max(20, int(PASSAGE_SHARE * (length - RESERVED) / (self.passages * TOKENS_PER_WORD)))
+        return max(20, int(PASSAGE_SHARE * (length - RESERVED) / (self.count(length) * TOKENS_PER_WORD)))
 
     def compose(self, rng: random.Random, units: int, depth: float | None, length: int) -> Parts:
         names, numbers, _, _ = _pool_facts()
         asked = rng.randrange(POOL)
         needed = [asked] if self.hops == 1 else [asked, (asked + 1) % POOL]
-        others = rng.sample([i for i in range(POOL) if i not in needed], self.passages - len(needed))
+        others = rng.sample([i for i in range(POOL) if i not in needed], self.count(length) - len(needed))
         chosen = needed + others
         rng.shuffle(chosen)
         size = self.passage_words(length)

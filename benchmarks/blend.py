@@ -1,0 +1,224 @@
+"""Retrieved documents reused at any position (issue 38): TTFT and answers of chunk caching next to a full prefill.
+
+    python benchmarks/blend.py                              # default model: retrieval and retrieval_2hop at 2k and
+                                                            # 4k tokens (4 and 8 passages), 24 prompts per cell; rows
+                                                            # appended to benchmarks/results/blend.jsonl (resumable)
+    python benchmarks/blend.py --model qwen2.5-coder-0.5b   # the second model, the same grid
+    python benchmarks/blend.py --samples 1 --lengths 1024   # a quick look
+
+Every contender is a ``kvopt.LLM`` of its own over the same loaded model, fed the same token ids one request at a
+time (greedy, the task's 32 new tokens); TTFT is the engine's own arrival-to-first-token time. The prompt is
+``[head][passage]...[passage][question]``: the head is the chat template's opening, the task's instruction and its
+background preamble (cut to the same words for every prompt of a length, so it is one shared prefix), each passage
+is tokenized on its own (ending in its blank line), and the question closes the chat turn with the answer prefix.
+
+- ``full``: a full prefill, prefix caching off.
+- ``prefix``: prefix caching on and warmed with the head: the head hits, the passages (in a new order) do not.
+- ``blend:0`` (plain concatenation), ``cacheblend:0.05|0.15|0.3`` and ``epic`` (each passage's first 16 tokens):
+  chunk caching on, the head and the passages given as chunks. Before a length's prompts every pool passage and
+  the head are computed once on their own (each passage seen before, at another position), so a prompt finds all
+  its chunks; that warm-up's time is a row of its own. The head opens the prompt, so its reused KV is what a
+  prefill computes; CacheBlend's share counts its tokens too (their deviation is nil, so they are picked last).
+
+Scores are the task's (the number in the answer); "kept" is the paired share of ``full``'s correct answers
+(:func:`kvopt.eval.report.retention`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from sections import conditions_line, opening, row_dates
+
+ROWS = Path(__file__).parent / "results" / "blend.jsonl"
+TASKS = ("retrieval", "retrieval_2hop")
+#: Contender name -> kvopt.LLM options (every contender also gets the run's kv_memory).
+CONTENDERS = {
+    "full": {"enable_prefix_caching": False},
+    "prefix": {"enable_prefix_caching": True},
+    "blend:0": {"enable_chunk_caching": True, "blend_ratio": 0.0},
+    "cacheblend:0.05": {"enable_chunk_caching": True, "blend_ratio": 0.05},
+    "cacheblend:0.15": {"enable_chunk_caching": True, "blend_ratio": 0.15},
+    "cacheblend:0.3": {"enable_chunk_caching": True, "blend_ratio": 0.3},
+    "epic": {"enable_chunk_caching": True, "blend_strategy": "epic"},
+}
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: The issue's bar, at the longest length: CacheBlend 15% this many times faster to the first token than a full
+#: prefill, keeping this share of its answers.
+TARGET_SPEEDUP, TARGET_KEPT, TARGET_CONTENDER = 2.5, 0.95, "cacheblend:0.15"
+
+
+def prompt_pieces(tokenizer, sample, words: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """``(head, passages, question)`` token ids of a retrieval sample, its background cut to ``words`` words."""
+    from kvopt.eval.tasks.retrieval import _INTRO, SEPARATOR
+
+    background = sample.metadata["intro"][len(_INTRO) :].split()[:words]
+    intro = f"{_INTRO}{' '.join(background)}\n\n" if background else _INTRO
+    documents = [document + SEPARATOR for document in sample.metadata["passages"]]
+    content = intro + "".join(documents) + sample.question
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    start = rendered.index(intro + documents[0])
+    head = rendered[: start + len(intro)]
+    tail = rendered[start + len(intro) + sum(map(len, documents)) :] + sample.answer_prefix
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    return ids(head), [ids(document) for document in documents], ids(tail)
+
+
+def background_words(sample) -> int:
+    from kvopt.eval.tasks.retrieval import _INTRO
+
+    return len(sample.metadata["intro"][len(_INTRO) :].split())
+
+
+def main() -> None:
+    import torch
+
+    import kvopt
+    from kvopt.eval.tasks import TASKS as REGISTRY
+    from kvopt.eval.tasks import build_sample, score
+    from kvopt.eval.tasks.retrieval import POOL, passage
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a second model (e.g. qwen2.5-coder-0.5b)")
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--samples", type=int, default=24, help="prompts per task and length")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--kv-memory", default="512MB", help="each contender's pool")
+    parser.add_argument("--out", type=Path, default=ROWS)
+    parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    name = args.model or DEFAULT_MODEL
+    model, tokenizer = kvopt.load_model(args.model)
+    contenders = args.contenders.split(",")
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    engines = {contender: kvopt.LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, **CONTENDERS[contender])
+               for contender in contenders}  # fmt: skip
+    done = {(row["task"], row["length"], row["sample"], row["contender"])
+            for row in map(json.loads, args.out.read_text().splitlines() if args.out.exists() else [])
+            if row.get("model") == name and "task" in row}  # fmt: skip
+    params = kvopt.SamplingParams(temperature=0, max_tokens=REGISTRY[TASKS[0]].max_new_tokens)
+    stamp = {"model": name, "date": time.strftime("%Y-%m-%d"), **({"conditions": args.conditions} if args.conditions else {})}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(row: dict) -> None:
+        with args.out.open("a") as sink:
+            sink.write(json.dumps(stamp | row) + "\n")
+
+    for length in map(int, args.lengths.split(",")):
+        samples = {(task, index): build_sample(task, tokenizer, length, index=index)
+                   for task in TASKS for index in range(args.samples)}  # fmt: skip
+        words = min(map(background_words, samples.values()))
+        pieces = {key: prompt_pieces(tokenizer, sample, words) for key, sample in samples.items()}
+        head = next(iter(pieces.values()))[0]
+        passage_ids = [list(tokenizer(passage(index, REGISTRY[TASKS[0]].passage_words(length)) + "\n\n",
+                                      add_special_tokens=False).input_ids) for index in range(POOL)]  # fmt: skip
+        one = kvopt.SamplingParams(temperature=0, max_tokens=1)
+        for contender, llm in engines.items():  # warm: the head (prefix caching) or every chunk, computed on its own
+            started = time.perf_counter()
+            if CONTENDERS[contender].get("enable_chunk_caching"):
+                llm.generate([{"chunks": [chunk], "prompt": head[-1:]} for chunk in [head, *passage_ids]], one,
+                             use_tqdm=False)  # fmt: skip
+            elif CONTENDERS[contender]["enable_prefix_caching"]:
+                llm.generate([head], one, use_tqdm=False)
+            write({"kind": "warm", "contender": contender, "length": length, "seconds": time.perf_counter() - started})
+        for index in range(args.samples):
+            for task in TASKS:
+                head_ids, documents, question = pieces[task, index]
+                turn = contenders[index % len(contenders) :] + contenders[: index % len(contenders)]
+                for contender in turn:  # a rotating order, so no contender always runs after the same one
+                    if (task, length, index, contender) in done:
+                        continue
+                    prompt = ({"chunks": [head_ids, *documents], "prompt": question}
+                              if CONTENDERS[contender].get("enable_chunk_caching")
+                              else head_ids + sum(documents, []) + question)  # fmt: skip
+                    output = engines[contender].generate([prompt], params, use_tqdm=False)[0]
+                    if output.error:
+                        raise SystemExit(f"{contender} failed on {task} {length} #{index}: {output.error}")
+                    text = output.outputs[0].text
+                    row = {"task": task, "length": length, "sample": index, "seed": 0, "contender": contender,
+                           "passages": len(documents), "prompt_tokens": len(output.prompt_token_ids),
+                           "cached_tokens": output.metrics.cached_tokens,
+                           "ttft_s": output.metrics.time_to_first_token, "score": score(samples[task, index], text),
+                           "answer": text}  # fmt: skip
+                    write(row)
+                    print(f"{length} {task} #{index} {contender}: ttft {row['ttft_s']:.2f} s, score {row['score']:g}",
+                          flush=True)  # fmt: skip
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown for the committed rows (``committed_section`` in benchmarks/run.py): a table per model and length."""
+    from kvopt.eval.report import retention, wilson_interval
+
+    lines = ["## Retrieved documents reused at any position: CacheBlend, EPIC, plain concatenation, prefix caching", "",
+             opening(["python benchmarks/blend.py", "python benchmarks/blend.py --model qwen2.5-coder-0.5b"],
+                     row_dates(ROWS), ROWS), "",
+             "Retrieval-augmented prompts (`retrieval`: one passage holds the answer; `retrieval_2hop`: the answer "
+             "needs a link in one passage and the number in another), passages drawn from one pool of 32 and "
+             "re-ordered across prompts, each passage's KV computed beforehand on its own. Each contender is its own "
+             "`kvopt.LLM` on the same token ids, one request at a time, greedy; TTFT is the engine's own. Kept: of "
+             "the prompts `full` answers, the share the contender answers too, with its 95% Wilson interval; "
+             "accuracy is the contender's own. See `benchmarks/blend.py` for the contenders.", ""]  # fmt: skip
+    prompts = [row for row in rows if "task" in row]
+    warm = [row for row in rows if row.get("kind") == "warm"]
+    for model in dict.fromkeys(row["model"] for row in prompts):
+        for length in sorted({row["length"] for row in prompts if row["model"] == model}):
+            cell = [row for row in prompts if row["model"] == model and row["length"] == length]
+            lines += _table(model, length, cell, [row for row in warm if row["model"] == model and row["length"] == length],
+                            retention, wilson_interval)  # fmt: skip
+    lines += conditions_line(rows)
+    return "\n".join([*lines, ""])
+
+
+def _table(model: str, length: int, rows: list[dict], warm: list[dict], retention, wilson_interval) -> list[str]:
+    """One model and length: per contender its median TTFT (and its ratio to full's) and per task its answers."""
+    full_ttft = statistics.median(row["ttft_s"] for row in rows if row["contender"] == "full")
+    passages = max(row["passages"] for row in rows)
+    tokens = statistics.median(row["prompt_tokens"] for row in rows)
+    lines = [f"### {model}, {passages} passages (~{tokens:,.0f}-token prompts)", "",
+             "| contender | prompts | TTFT p50 | faster than full | " +
+             " | ".join(f"{task} accuracy | {task} kept of full" for task in TASKS) + " | warm-up |",
+             "|---|---:|---:|---:|" + "---:|---:|" * len(TASKS) + "---:|"]  # fmt: skip
+    verdict = []
+    for contender in CONTENDERS:
+        mine = [row for row in rows if row["contender"] == contender]
+        if not mine:
+            continue
+        ttft = statistics.median(row["ttft_s"] for row in mine)
+        cells = []
+        kept_all = retention(mine, [row for row in rows if row["contender"] == "full"])
+        for task in TASKS:
+            ran = [row for row in mine if row["task"] == task]
+            reference = [row for row in rows if row["contender"] == "full" and row["task"] == task]
+            if not ran:
+                cells.append("– | –")
+                continue
+            hits = sum(row["score"] for row in ran)
+            low, high = wilson_interval(hits, len(ran))
+            kept = retention(ran, reference)
+            cells.append(f"{hits / len(ran):.0%} [{low * 100:.0f}–{high * 100:.0f}] | "
+                         f"{'–' if contender == 'full' or kept is None else kept.cell()}")  # fmt: skip
+        seconds = next((row["seconds"] for row in warm if row["contender"] == contender), None)
+        lines.append(f"| {contender} | {len(mine)} | {ttft:.2f} s | {full_ttft / ttft:.2f}x | {' | '.join(cells)} | "
+                     f"{'–' if not seconds or contender == 'full' else f'{seconds:.1f} s'} |")  # fmt: skip
+        if contender == TARGET_CONTENDER and kept_all is not None:
+            speedup = full_ttft / ttft
+            holds = speedup >= TARGET_SPEEDUP and kept_all.kept >= TARGET_KEPT
+            verdict = ["", f"{contender} here: {speedup:.2f}x lower TTFT than full prefill, keeping "
+                       f"{kept_all.with_accuracy()} over both tasks; the issue's bar ({TARGET_SPEEDUP}x at "
+                       f">= {TARGET_KEPT:.0%} kept, at 4k) {'holds' if holds else 'does not hold'} at this length."]  # fmt: skip
+    return [*lines, *verdict, ""]
+
+
+if __name__ == "__main__":
+    main()
