@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=24, help="prompts per task and length")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--kv-memory", default="512MB", help="each contender's pool")
+    parser.add_argument("--chunk-memory", default="1GB", help="each chunk-caching contender's chunk store (it holds "
+                        "every pool passage)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROWS)
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     args = parser.parse_args()
@@ -102,7 +104,9 @@ def main() -> None:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
-    engines = {contender: kvopt.LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, **CONTENDERS[contender])
+    engines = {contender: kvopt.LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, **CONTENDERS[contender],
+                                    **({"chunk_memory": args.chunk_memory} if "enable_chunk_caching" in CONTENDERS[contender]
+                                       else {}))
                for contender in contenders}  # fmt: skip
     done = {(row["task"], row["length"], row["sample"], row["contender"])
             for row in map(json.loads, args.out.read_text().splitlines() if args.out.exists() else [])
@@ -126,11 +130,15 @@ def main() -> None:
         one = kvopt.SamplingParams(temperature=0, max_tokens=1)
         for contender, llm in engines.items():  # warm: the head (prefix caching) or every chunk, computed on its own
             started = time.perf_counter()
+            warm = []
             if CONTENDERS[contender].get("enable_chunk_caching"):
-                llm.generate([{"chunks": [chunk], "prompt": head[-1:]} for chunk in [head, *passage_ids]], one,
-                             use_tqdm=False)  # fmt: skip
+                warm = llm.generate([{"chunks": [chunk], "prompt": head[-1:]} for chunk in [head, *passage_ids]], one,
+                                    use_tqdm=False)  # fmt: skip
             elif CONTENDERS[contender]["enable_prefix_caching"]:
-                llm.generate([head], one, use_tqdm=False)
+                warm = llm.generate([head], one, use_tqdm=False)
+            failed = next((output.error for output in warm if output.error), None)
+            if failed:
+                raise SystemExit(f"{contender}'s warm-up failed at {length} tokens: {failed}")
             write({"kind": "warm", "contender": contender, "length": length, "seconds": time.perf_counter() - started})
         for index in range(args.samples):
             for task in TASKS:

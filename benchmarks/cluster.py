@@ -119,7 +119,8 @@ def run(router: str, model: str | None, requests: list, args, url: str) -> dict:
     from kvopt.cluster import ClusterSpec, build
     from kvopt.serving import ServerSettings
 
-    engine_args = {"model": model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs}
+    engine_args = {"model": model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
+                   "max_model_len": args.max_model_len}  # fmt: skip
     spec = ClusterSpec(replicas=args.replicas, router=router)
     serve.run(build(engine_args, ServerSettings("bench", max_waiting=len(requests)), spec, args.max_num_seqs),
               name="kvopt", route_prefix="/")  # fmt: skip
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--kv-memory", default="1GB")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="each engine's context (the prompts need "
+                        "~1,100 tokens; a pool must hold one sequence of this length)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROWS)
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     args = parser.parse_args()

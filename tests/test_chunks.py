@@ -81,6 +81,17 @@ def test_a_prompt_with_nothing_to_recompute_needs_no_forward_and_is_exact(model,
     torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
 
 
+def test_a_chunk_opening_the_prompt_is_never_recomputed_nor_counted_in_the_share(model, reference):
+    head, document, question = tokens(30, 9), tokens(20, 10), tokens(4, 11)
+    pieces = [Chunk(tuple(head)), Chunk(tuple(document)), question]
+    blended = blend(model, pieces, ChunkStore(model), blend_ratio=0.5)
+    assert (blended.chunk_tokens, blended.recomputed) == (50, 10)  # half of the document's 20, none of the head's
+    full = blend(model, pieces, ChunkStore(model), blend_ratio=1.0)
+    with torch.no_grad():
+        expected = reference(torch.tensor([head + document + question])).logits[0, -1]
+    torch.testing.assert_close(last_logits(model, full.input_ids, full.cache), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("start", [1, 37, 300])
 def test_reuse_at_another_position_equals_computing_the_chunk_there(model, reference, start):
     chunk, question = tokens(24, 7), tokens(5, 8)
@@ -390,5 +401,8 @@ def test_the_server_places_documents_before_the_last_user_message(tiny_with_toke
         assert reply["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
         refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": []}, timeout=60)
         assert refused.status_code == 400 and "documents" in refused.json()["error"]["message"]
-    assert llm.engine._chunk_stores["full"].stats.stores == 2
+        again = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": [DOCS[1]]}, timeout=60)
+        assert again.status_code == 200
+    stats = llm.engine._chunk_stores["full"].stats
+    assert (stats.stores, stats.hits) == (3, 2)  # the chat's head and both documents, then the head and one again
     assert_pool_empty(llm)

@@ -13,6 +13,9 @@ the text before them, so some of their tokens are recomputed, and which ones is 
 - ``epic`` (LegoLink, arXiv 2410.15332; §26): the first ``epic_tokens`` tokens of every chunk that does not
   open the prompt (its spurious attention sinks) and the new text are recomputed through all layers.
 
+A chunk that opens the prompt (a system prompt, a chat template's head) saw nothing before it here either: its
+reused KV is what a prefill computes, so no strategy recomputes it and CacheBlend's share counts only the chunks after it.
+
 Recomputed tokens attend causally to everything before them, reused and recomputed alike: the
 model's own decoder layers run on them alone (the hooks and :class:`~kvopt.methods.fastkv.Propagated` FastKV
 uses), over a layer storage holding the reused tokens as one more part at their global positions.
@@ -63,6 +66,8 @@ class _Plan:
     values: list[torch.Tensor]
     #: ``[width]`` True where a token is new text (always computed).
     fresh: torch.Tensor
+    #: ``[width]`` True where a token is a reused chunk's that saw other text before it here (one CacheBlend may pick).
+    moved: torch.Tensor
     #: ``[width]`` True where a token is recomputed from layer 0 on (EPIC, plain concatenation); None: CacheBlend.
     chosen: torch.Tensor | None
     ratio: float
@@ -88,9 +93,8 @@ class _Blender(Method):
             )
         if plan.chosen is None and layer.index == plan.check_layer:
             deviation = (layer.store.values.float() - plan.values[layer.index].float()).square().sum(dim=(0, 1, 3))
-            chunk = ~plan.fresh
-            count = round(plan.ratio * int(chunk.sum()))
-            picked = deviation.masked_fill(~chunk, float("-inf")).topk(count).indices if count else deviation[:0].long()
+            count = round(plan.ratio * int(plan.moved.sum()))
+            picked = deviation.masked_fill(~plan.moved, float("-inf")).topk(count).indices if count else deviation[:0].long()
             chosen = plan.fresh.clone()
             chosen[picked] = True
             plan.recomputed = count
@@ -198,7 +202,10 @@ def _plan(store: ChunkStore, placed, fresh: torch.Tensor, width: int, device) ->
             layer_values[:, :, start:end] = kv.values[layer][:, :, : end - start]
         keys.append(layer_keys)
         values.append(layer_values)
-    return _Plan(width, keys, values, fresh, None, 0.0, 0, trailing)
+    moved = ~fresh
+    if placed and placed[0][0] == 0:  # a chunk opening the prompt is exact as stored
+        moved[: len(placed[0][1].tokens)] = False
+    return _Plan(width, keys, values, fresh, moved, None, 0.0, 0, trailing)
 
 
 def _blend_forward(model, ids: torch.Tensor, plan: _Plan) -> KVCache:

@@ -92,7 +92,8 @@ class ChunkedPrompt:
 
     chunks: tuple[str | tuple[int, ...], ...]
     prompt: str | list[int]
-    #: New text before the chunks (a chat template's head): computed normally.
+    #: Text before the chunks (a chat template's head, a system prompt): reused by content too, as the chunk opening
+    #: the prompt, whose stored KV is exact there (never recomputed).
     prefix: str | list[int] = ()
 
 
@@ -244,10 +245,12 @@ class LLMEngine:
         try:
             if spec not in self._chunk_stores:
                 self._chunk_stores[spec] = ChunkStore(self.model, spec, tiers, self._chunk_memory)
-            pieces = [Chunk(tuple(self._piece_ids(document))) for document in prompt.chunks]
+            prefix = self._piece_ids(prompt.prefix)
+            pieces = [Chunk(tuple(piece)) for piece in ([prefix] if prefix else []) +
+                      [self._piece_ids(document) for document in prompt.chunks]]  # fmt: skip
         except ChunkError as error:
             return [], str(error)
-        return [self._piece_ids(prompt.prefix), *pieces, self._piece_ids(prompt.prompt)], None
+        return [*pieces, self._piece_ids(prompt.prompt)], None
 
     def _piece_ids(self, piece: str | list[int] | tuple[int, ...]) -> list[int]:
         """A chunked prompt's piece as ids: text without special tokens (pieces are joined as they are)."""
