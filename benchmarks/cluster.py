@@ -219,6 +219,10 @@ def render(rows: list[dict]) -> str:
     for (memory, replicas), runs in latest.items():
         if replicas == 2:
             lines += _reading(memory, runs, latest.get((memory, 1), []))
+    best = max(row["output_tok_s"] for row in rows if row["replicas"] == 2)
+    lines += ["", f"The workload asks {first['rate'] * first['max_tokens']:g} new tokens/s ({first['rate']:g} request/s x "
+              f"{first['max_tokens']}); the two replicas made at most {best:.1f}. So TTFT is mostly time spent queued, and a "
+              "router that saves prefill work shortens the queue for every request after it."]  # fmt: skip
     lines += conditions_line(rows)
     return "\n".join([*lines, ""])
 

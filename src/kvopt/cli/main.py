@@ -193,7 +193,7 @@ def _ints(text: str, option: str) -> list[int]:
 
 @app.command("eval")
 def evaluate(
-    task: Annotated[str, typer.Option("--task", help="comma-separated: passkey, niah, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, ppl")] = "passkey,niah",
+    task: Annotated[str, typer.Option("--task", help="comma-separated task names, e.g. passkey,niah,prose_needle,retrieval,conversation,ppl (an unknown name lists them all)")] = "passkey,niah",
     lengths: Annotated[str, typer.Option(help="prompt lengths in tokens, comma-separated")] = "1024,2048",
     depths: Annotated[int, typer.Option(help="needle depths: centres of equal slices of the context (3 -> 1/6, 1/2, 5/6)")] = 3,
     samples: Annotated[int, typer.Option(help="samples per (task, length, depth)")] = 1,
