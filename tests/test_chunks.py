@@ -70,11 +70,11 @@ def test_a_chunk_opening_the_prompt_is_reused_exactly(model, reference):
     torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["cacheblend", "epic"])
-def test_a_prompt_with_nothing_to_recompute_needs_no_forward_and_is_exact(model, reference, strategy):
-    # A leading chunk and a one-token question: concatenation and EPIC recompute nothing before the last token.
+@pytest.mark.parametrize(("strategy", "ratio"), [("cacheblend", 0.0), ("cacheblend", 0.15), ("epic", 0.0)])
+def test_a_prompt_with_nothing_to_recompute_needs_no_forward_and_is_exact(model, reference, strategy, ratio):
+    # A leading chunk (exact as stored) and a one-token question: nothing before the last token is recomputed.
     chunk, question = tokens(24, 5), tokens(1, 6)
-    blended = blend(model, [Chunk(tuple(chunk)), question], ChunkStore(model), blend_ratio=0.0, strategy=strategy)
+    blended = blend(model, [Chunk(tuple(chunk)), question], ChunkStore(model), blend_ratio=ratio, strategy=strategy)
     with torch.no_grad():
         expected = reference(torch.tensor([chunk + question])).logits[0, -1]
     assert blended.recomputed == 0 and blended.cache.get_seq_length() == 24

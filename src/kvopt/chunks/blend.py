@@ -141,8 +141,8 @@ def blend(
         for start, _ in placed:
             if start > 0:
                 plan.chosen[start : min(start + epic_tokens, width)] = True
-    elif blend_ratio == 0.0:
-        plan.chosen = plan.fresh.clone()
+    elif blend_ratio == 0.0 or not (plan.fresh.any() or round(blend_ratio * int(plan.moved.sum()))):
+        plan.chosen = plan.fresh.clone()  # concatenation (also CacheBlend with no token to compute past its check)
     if store.method != "full" and not plan.trailing:
         raise ChunkError(f"{store.method} acts after blending with the queries of the text after the last chunk; "
                          "end the prompt with new text (the question)")  # fmt: skip
