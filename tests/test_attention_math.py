@@ -85,6 +85,21 @@ def test_merging_parts_by_lse_equals_attention_over_their_union():
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_causal_attention_over_a_chunk_s_own_keys_equals_a_loop_over_queries(softcap, tokens):
+    """Query ``i`` over keys ``0..i`` one at a time, against the causal kernel (GQA: 4 heads over 2 KV heads)."""
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, tokens, 16, generator=gen)
+    keys, values = torch.randn(1, 2, tokens, 16, generator=gen), torch.randn(1, 2, tokens, 16, generator=gen)
+    output, lse = attention_math.causal_attention_with_lse(query, keys, values, None, softcap)
+    for i in range(tokens):
+        row, row_lse = attention_math.attention_with_lse(query[:, :, i : i + 1], keys[:, :, : i + 1],
+                                                         values[:, :, : i + 1], None, None, softcap)  # fmt: skip
+        torch.testing.assert_close(output[:, :, i], row[:, :, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, :, i], row_lse[:, :, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("query_positions", [[64], [20, 40, 64]])
 def test_coded_parts_attend_block_by_block_as_over_all_their_tokens_at_once(monkeypatch, softcap, query_positions):
     """The shared block loop (quantized and non-uniform parts): many blocks merge to one pass over the part."""

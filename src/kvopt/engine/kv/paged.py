@@ -380,9 +380,8 @@ def _attend_chunk(query, new_keys, new_values, keys, values, seq: SequenceSlots,
     own = torch.arange(count, device=query.device)
     if seq.fresh or seq.context_length == count:
         return attention_math.attend(query, new_keys, new_values, own[None, None], None, own, scaling, None, softcap)
-    causal = (own[None, :] <= own[:, None])[None, None]
     parts = _attend_stored(query, keys, values, seq, scaling, softcap)
-    parts.append(attention_math.attention_with_lse(query, new_keys, new_values, causal, scaling, softcap))
+    parts.append(attention_math.causal_attention_with_lse(query, new_keys, new_values, scaling, softcap))
     output, _ = attention_math.merge_with_lse(parts)
     return output.to(query.dtype).transpose(1, 2)
 
