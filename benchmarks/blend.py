@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a second model (e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--samples", type=int, default=24, help="prompts per task and length")
+    parser.add_argument("--part", default="1/1", help="K/N: run the K-th of N equal shares of the prompt indices "
+                        "(N processes, one per core, split one grid)")  # fmt: skip
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--kv-memory", default="512MB", help="each contender's pool")
     parser.add_argument("--chunk-memory", default="1GB", help="each chunk-caching contender's chunk store (it holds "
@@ -98,6 +100,9 @@ def main() -> None:
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    part, parts = (int(x) for x in args.part.split("/"))
+    if not 1 <= part <= parts:
+        parser.error(f"--part {args.part}: K/N with 1 <= K <= N, e.g. 1/2")
     name = args.model or DEFAULT_MODEL
     model, tokenizer = kvopt.load_model(args.model)
     contenders = args.contenders.split(",")
@@ -122,7 +127,7 @@ def main() -> None:
     for length in map(int, args.lengths.split(",")):
         samples = {(task, index): build_sample(task, tokenizer, length, index=index)
                    for task in TASKS for index in range(args.samples)}  # fmt: skip
-        words = min(map(background_words, samples.values()))
+        words = min(map(background_words, samples.values()))  # over every prompt up to --samples: one shared head
         pieces = {key: prompt_pieces(tokenizer, sample, words) for key, sample in samples.items()}
         head = next(iter(pieces.values()))[0]
         passage_ids = [list(tokenizer(passage(index, REGISTRY[TASKS[0]].passage_words(length)) + "\n\n",
@@ -140,7 +145,7 @@ def main() -> None:
             if failed:
                 raise SystemExit(f"{contender}'s warm-up failed at {length} tokens: {failed}")
             write({"kind": "warm", "contender": contender, "length": length, "seconds": time.perf_counter() - started})
-        for index in range(args.samples):
+        for index in range((part - 1) * args.samples // parts, part * args.samples // parts):
             for task in TASKS:
                 head_ids, documents, question = pieces[task, index]
                 turn = contenders[index % len(contenders) :] + contenders[: index % len(contenders)]
