@@ -23,7 +23,7 @@ Steps (one torch thread each; timings interleaved method by method within a repe
   every method of ``prefill`` and ``decode`` (fastkv prefills itself; the others replay one prefill per prompt).
 * ``stream``: streaming perplexity over 8,000 tokens of real text, fed 16 at a time, at a 1,024-token cache:
   ``treekv``, ``streamingllm``, ``tova``, ``h2o`` (and ``full``).
-* ``agnostic``: the prefill-cheap methods (``surprisal``, ``shallowzip``) against ``kvzip`` and ``tova`` at 75% and
+* ``agnostic``: the prefill-cheap methods (``surprisal``, ``shallowzip``, ``locret``) against ``kvzip`` and ``tova`` at 75% and
   90% removed, query-agnostic (the context is compressed before the question is seen), 8 samples per task and
   length: accuracy, the share of full's answers kept, and the prefill seconds (the shared lossless prefill plus
   each method's own work).
@@ -68,9 +68,9 @@ ROCKET_QUANTIZER = "tokenquant:bits=4"
 #: Tokens per forward in the streaming step (decode-time eviction acts after each forward).
 STREAM_CHUNK = 16
 STREAM = ["full", "treekv:budget=1024", "streamingllm:sinks=4,window=1020", "tova:budget=1024", "h2o:budget=1024"]
-#: The prefill-cheap query-agnostic methods: the prompt's own surprisal (one LM-head pass) and KVzip's
-#: reconstruction through the first layers only.
-CHEAP = ["surprisal", "shallowzip"]
+#: The prefill-cheap query-agnostic methods: the prompt's own surprisal (one LM-head pass), KVzip's
+#: reconstruction through the first layers only, and Locret's trained retaining heads (one small MLP per layer).
+CHEAP = ["surprisal", "shallowzip", "locret"]
 AGNOSTIC = ["full", *(f"{m}:ratio={r}" for r in (0.75, 0.9) for m in (*CHEAP, "kvzip", "tova"))]
 AGNOSTIC_LENGTHS = [2048]
 #: Small budgets: 1k prompts at 90% removed (about 100 tokens kept), where a recent window can eat the budget.
@@ -530,7 +530,7 @@ def _agnostic_part(by_step: dict) -> list[str]:
     key = lambda r: (r["task"], r["length"], r["depth"], r["sample"])  # noqa: E731
     full = {key(r): r for r in rows if r["method"] == "full"}
     lines = [
-        f"### Query-agnostic: {' and '.join(f'`{m}`' for m in CHEAP)} vs `kvzip`",
+        f"### Query-agnostic, prefill-cheap: {', '.join(f'`{m}`' for m in CHEAP)} vs `kvzip`",
         "",
         f"{', '.join(TASKS)} at {', '.join(map(str, AGNOSTIC_LENGTHS))} tokens, the context compressed before the "
         f"question is seen. Prefill s: the shared lossless prefill plus the method's own work (KVzip's reconstruction "
