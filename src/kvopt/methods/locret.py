@@ -35,11 +35,11 @@ best scores; the newest tokens are the ones a question reads); the prompt's tail
 ``window`` is a quarter of the budget at most (the paper: 2,500 of 6,000 to 16,384), ``chunk`` 512
 (the paper: 1,024 to 4,096 for 128k prompts). Heads: see :mod:`kvopt.methods.locret_heads`.
 
-Measured on the default model, query-agnostic at 75% removed on passkey / niah / niah_multivalue prompts at 2k
-(heads format 3: 32,768 tokens, 196 s of CPU time), paired with ``full``: with ``pool=7`` it kept 98% of ``full``'s
-13.0 answers on 14 prompts (``kvzip`` 69%, ``surprisal`` 81%, ``snapkv`` 4% on the same prompts); without pooling
-66% on 23 prompts (``kvzip`` 72%, ``surprisal`` 71%), 2 of 8 passkeys. Format 2 (prose only, pre-RoPE target)
-kept 1.2 of ``full``'s 17.8 answers on 19 of these prompts.
+Measured on the default model (heads format 3: 32,768 tokens, 196 s of CPU time), query-agnostic on the 24
+passkey / niah / niah_multivalue prompts at 2k of BENCHMARKS.md's prefill-cheap table, paired with ``full``: at 75%
+removed it keeps 87% [68–95] of ``full``'s answers (``kvzip`` 73%, ``surprisal`` 68%, ``shallowzip`` 64%, ``tova``
+49% on the same prompts) at 1.12x ``full``'s prefill (``kvzip`` ~3.7x); at 90% removed 65% [44–81] (``kvzip`` 57%).
+Without pooling it kept 66% on 23 prompts; format 2 (prose only, pre-RoPE target) 1.2 of ``full``'s 17.8 answers.
 """
 
 from __future__ import annotations
