@@ -18,7 +18,7 @@ is tokenized on its own (ending in its blank line), and the question closes the 
   chunk caching on, the head and the passages given as chunks. Before a length's prompts every pool passage and
   the head are computed once on their own (each passage seen before, at another position), so a prompt finds all
   its chunks; that warm-up's time is a row of its own. The head opens the prompt, so its reused KV is what a
-  prefill computes; CacheBlend's share counts its tokens too (their deviation is nil, so they are picked last).
+  prefill computes: no strategy recomputes it, and CacheBlend's share counts only the passages' tokens.
 
 Scores are the task's (the number in the answer); "kept" is the paired share of ``full``'s correct answers
 (:func:`kvopt.eval.report.retention`).
@@ -56,7 +56,7 @@ def prompt_pieces(tokenizer, sample, words: int) -> tuple[list[int], list[list[i
     """``(head, passages, question)`` token ids of a retrieval sample, its background cut to ``words`` words."""
     from kvopt.eval.tasks.retrieval import _INTRO, SEPARATOR
 
-    background = sample.metadata["intro"][len(_INTRO) :].split()[:words]
+    background = _background(sample)[:words]
     intro = f"{_INTRO}{' '.join(background)}\n\n" if background else _INTRO
     documents = [document + SEPARATOR for document in sample.metadata["passages"]]
     content = intro + "".join(documents) + sample.question
@@ -72,10 +72,15 @@ def prompt_pieces(tokenizer, sample, words: int) -> tuple[list[int], list[list[i
     return ids(head), [ids(document) for document in documents], ids(tail)
 
 
-def background_words(sample) -> int:
+def _background(sample) -> list[str]:
+    """The words of a retrieval sample's background preamble (its intro after the instruction)."""
     from kvopt.eval.tasks.retrieval import _INTRO
 
-    return len(sample.metadata["intro"][len(_INTRO) :].split())
+    return sample.metadata["intro"][len(_INTRO) :].split()
+
+
+def background_words(sample) -> int:
+    return len(_background(sample))
 
 
 def main() -> None:
@@ -84,7 +89,7 @@ def main() -> None:
     import kvopt
     from kvopt.eval.tasks import TASKS as REGISTRY
     from kvopt.eval.tasks import build_sample, score
-    from kvopt.eval.tasks.retrieval import POOL, passage
+    from kvopt.eval.tasks.retrieval import POOL, SEPARATOR, passage
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a second model (e.g. qwen2.5-coder-0.5b)")
@@ -130,7 +135,7 @@ def main() -> None:
         words = min(map(background_words, samples.values()))  # over every prompt up to --samples: one shared head
         pieces = {key: prompt_pieces(tokenizer, sample, words) for key, sample in samples.items()}
         head = next(iter(pieces.values()))[0]
-        passage_ids = [list(tokenizer(passage(index, REGISTRY[TASKS[0]].passage_words(length)) + "\n\n",
+        passage_ids = [list(tokenizer(passage(index, REGISTRY[TASKS[0]].passage_words(length)) + SEPARATOR,
                                       add_special_tokens=False).input_ids) for index in range(POOL)]  # fmt: skip
         one = kvopt.SamplingParams(temperature=0, max_tokens=1)
         for contender, llm in engines.items():  # warm: the head (prefix caching) or every chunk, computed on its own
@@ -171,8 +176,6 @@ def main() -> None:
 
 def render(rows: list[dict]) -> str:
     """Markdown for the committed rows (``committed_section`` in benchmarks/run.py): a table per model and length."""
-    from kvopt.eval.report import retention, wilson_interval
-
     lines = ["## Retrieved documents reused at any position: CacheBlend, EPIC, plain concatenation, prefix caching", "",
              opening(["python benchmarks/blend.py", "python benchmarks/blend.py --model qwen2.5-coder-0.5b"],
                      row_dates(ROWS), ROWS), "",
@@ -187,14 +190,15 @@ def render(rows: list[dict]) -> str:
     for model in dict.fromkeys(row["model"] for row in prompts):
         for length in sorted({row["length"] for row in prompts if row["model"] == model}):
             cell = [row for row in prompts if row["model"] == model and row["length"] == length]
-            lines += _table(model, length, cell, [row for row in warm if row["model"] == model and row["length"] == length],
-                            retention, wilson_interval)  # fmt: skip
+            lines += _table(model, length, cell, [row for row in warm if row["model"] == model and row["length"] == length])
     lines += conditions_line(rows)
     return "\n".join([*lines, ""])
 
 
-def _table(model: str, length: int, rows: list[dict], warm: list[dict], retention, wilson_interval) -> list[str]:
+def _table(model: str, length: int, rows: list[dict], warm: list[dict]) -> list[str]:
     """One model and length: per contender its median TTFT (and its ratio to full's) and per task its answers."""
+    from kvopt.eval.report import retention, wilson_interval
+
     full_ttft = statistics.median(row["ttft_s"] for row in rows if row["contender"] == "full")
     passages = max(row["passages"] for row in rows)
     tokens = statistics.median(row["prompt_tokens"] for row in rows)
