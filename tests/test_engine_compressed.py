@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvopt
-from kvopt.engine.kv.paged import PagedKVPool
+from kvopt.engine.kv.paged import DecodeGroup, PagedKVPool
 from kvopt.engine.kv.compressed import CodeFormat
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.engine import LLM, SamplingParams
@@ -81,6 +81,31 @@ def test_methods_chosen_per_request(models):
     outputs = llm.generate(chosen, params, use_tqdm=False)
     for spec, prompt, output in zip(specs, chosen, outputs):
         assert output.outputs[0].token_ids == generate_with_cache(model, spec or "full", prompt), spec
+    assert_pool_empty(llm)
+
+
+def test_quantized_groups_of_two_formats_and_ragged_lengths_are_read_together(models, monkeypatch):
+    """Decoding sequences' quantized groups are read in one batch per code format, padded to the longest: 4-bit
+    and 2-bit kivi requests of different lengths, decoding together, each equal generate."""
+    model = models["llama"]
+    batched: list[list[int]] = []
+    of = DecodeGroup.of
+
+    def recorded(*args, **kwargs):
+        group = of(*args, **kwargs)
+        if group is not None:
+            batched.append(sorted(len(members) for members, _ in group.coded))
+        return group
+
+    monkeypatch.setattr(DecodeGroup, "of", staticmethod(recorded))
+    llm = LLM(copy.deepcopy(model), kv_memory="4MB", max_num_batched_tokens=512)
+    specs = ["kivi:bits=4,residual=32", "kivi:bits=2,residual=32"] * 2
+    chosen = prompts([70, 130, 200, 96])
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, kv_method=spec) for spec in specs]
+    outputs = llm.generate(chosen, params, use_tqdm=False)
+    for spec, prompt, output in zip(specs, chosen, outputs):
+        assert output.outputs[0].token_ids == generate_with_cache(model, spec, prompt), spec
+    assert [2, 2] in batched  # both formats, two sequences each, in one decode step
     assert_pool_empty(llm)
 
 

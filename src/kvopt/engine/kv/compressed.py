@@ -72,6 +72,8 @@ class CodeFormat:
     key_dim: int
     value_dim: int
     groups_per_block: int
+    #: Bytes of one KV head in one block (``block_size * head_dim`` elements of the model's dtype).
+    block_bytes: int
 
     @classmethod
     def probe(cls, info: ModelInfo, dtype: torch.dtype, block_size: int, bits: int, group: int, key_mode: str) -> CodeFormat:
@@ -90,17 +92,24 @@ class CodeFormat:
                 f"({capacity} bytes per head); use a block_size that divides the group (e.g. block_size=16, group=32)"
             )
         return cls(bits, group, key_mode, dtype, block_size, key_fields, value_fields, part.keys.dim,
-                   part.values.dim, per_block)  # fmt: skip
+                   part.values.dim, per_block, capacity)  # fmt: skip
 
     def matches(self, part: QuantizedKV) -> bool:
         return (part.bits, part.group, part.key_mode) == (self.bits, self.group, self.key_mode)
 
-    def records(self, pool: torch.Tensor, fields: Fields) -> torch.Tensor:
-        """One layer's key or value pool ``[H, slots, D]`` as group records ``[H, blocks, groups_per_block, bytes]``."""
-        block_bytes = self.block_size * pool.shape[-1] * pool.element_size()
-        blocks = pool.view(torch.uint8).view(pool.shape[0], -1, block_bytes)
-        size = _record_bytes(fields)
+    def records(self, pool: torch.Tensor, fields: Fields, word: torch.dtype = torch.uint8) -> torch.Tensor:
+        """One layer's key or value pool ``[H, slots, D]`` as group records ``[H, blocks, groups_per_block, words]``
+        of ``word`` (bytes by default)."""
+        blocks = pool.view(torch.uint8).view(pool.shape[0], -1, self.block_bytes).view(word)
+        size = _record_bytes(fields) // word.itemsize
         return blocks[:, :, : self.groups_per_block * size].unflatten(-1, (self.groups_per_block, size))
+
+    def record_word(self, fields: Fields) -> torch.dtype:
+        """The widest integer a record and a block split into: a gather of records moves words, not bytes (an
+        int64 gather of 20 records took 66 us where the byte-wise one took 237 us, measured)."""
+        size = _record_bytes(fields)
+        return next(word for word in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                    if size % word.itemsize == 0 and self.block_bytes % word.itemsize == 0)  # fmt: skip
 
     def blocks_for(self, groups: int) -> int:
         """Blocks that hold ``groups`` groups."""
@@ -117,15 +126,26 @@ class CodeFormat:
         self.records(pool.keys[index], self.key_fields)[:, where[0], where[1]] = serialize(part.keys)
         self.records(pool.values[index], self.value_fields)[:, where[0], where[1]] = serialize(part.values)
 
-    def read(self, pool, index: int, where: tuple[torch.Tensor, torch.Tensor]) -> QuantizedKV:
-        """The groups at ``where`` in layer ``index`` as one quantized part (positions: a run, all older than any query)."""
-        keys = deserialize(self.records(pool.keys[index], self.key_fields)[:, where[0], where[1]], self.key_fields,
-                           self.bits, self.key_dim)  # fmt: skip
-        values = deserialize(self.records(pool.values[index], self.value_fields)[:, where[0], where[1]],
-                             self.value_fields, self.bits, self.value_dim)  # fmt: skip
-        tokens = where[0].numel() * self.group
-        index_ = TokenIndex(tokens, 1, where[0].device, start=0)
+    def read(self, pool, index: int, where: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor | None = None) -> QuantizedKV:
+        """The groups at ``where`` in layer ``index`` as one quantized part: ``[G]`` indices for one sequence, or
+        ``[S, G]`` for ``S`` sequences (a part of batch ``S``, ``valid [S, 1, G * group]`` False on the groups that
+        pad the shorter ones). Positions: all zero, older than any query."""
+        blocks, records = (indices.reshape(-1, indices.shape[-1]) for indices in where)
+        keys = self._gather(pool.keys[index], self.key_fields, self.key_dim, blocks, records)
+        values = self._gather(pool.values[index], self.value_fields, self.value_dim, blocks, records)
+        count, tokens = blocks.shape[0], blocks.shape[1] * self.group
+        if valid is None:
+            index_ = TokenIndex(tokens, count, blocks.device, start=0)
+        else:
+            positions = torch.zeros(count, 1, tokens, dtype=torch.int32, device=blocks.device)
+            index_ = TokenIndex(tokens, count, blocks.device, None, positions, valid)
         return QuantizedKV(keys, values, index_, self.group, self.key_mode, self.dtype)
+
+    def _gather(self, pool: torch.Tensor, fields: Fields, dim: int, blocks: torch.Tensor, records: torch.Tensor):
+        """The records at ``blocks/records [S, G]`` of one layer's key or value pool as groups ``[S, H, G, ...]``."""
+        word = self.record_word(fields)
+        gathered = self.records(pool, fields, word)[:, blocks, records]  # [H, S, G, words]
+        return deserialize(gathered.movedim(0, 1).contiguous().view(torch.uint8), fields, self.bits, dim)
 
 
 def _fields(groups: quant.QuantizedGroups) -> Fields:
@@ -148,12 +168,12 @@ def serialize(groups: quant.QuantizedGroups) -> torch.Tensor:
 
 
 def deserialize(records: torch.Tensor, fields: Fields, bits: int, dim: int) -> quant.QuantizedGroups:
-    """Inverse of :func:`serialize`: records ``[H, g, bytes]`` as groups ``[1, H, g, ...]``."""
-    heads, count = records.shape[:2]
+    """Inverse of :func:`serialize` for ``S`` sequences at once: records ``[S, H, g, bytes]`` as groups ``[S, H, g, ...]``."""
+    lead = records.shape[:-1]
     tensors, offset = [], 0
     for shape, dtype in fields:
         size = _field_bytes(shape, dtype)
-        tensors.append(records[..., offset : offset + size].contiguous().view(dtype).reshape(1, heads, count, *shape))
+        tensors.append(records[..., offset : offset + size].contiguous().view(dtype).reshape(*lead, *shape))
         offset += size
     return quant.QuantizedGroups(*tensors, bits, dim)
 
@@ -456,13 +476,36 @@ class CompressedKV:
 
 @dataclass(frozen=True)
 class CodedTokens:
-    """A sequence's quantized groups, as attention reads them this step."""
+    """The quantized groups of one decoding sequence, or of several read together, as attention reads them this step."""
 
     pool: object
     code_format: CodeFormat
+    #: Block and record of each group: ``[G]`` (one sequence) or ``[S, G]``.
     where: tuple[torch.Tensor, torch.Tensor]
+    #: ``[S, 1, G * group]``, False on the groups padding the shorter sequences; None when none is padded.
+    valid: torch.Tensor | None = None
+
+    @classmethod
+    def stack(cls, codes: list[CodedTokens]) -> CodedTokens:
+        """Several sequences' groups as one read: a layer's groups of all of them in one gather, one dequantization
+        and one attention call (instead of some twenty small ops per sequence), each padded to the longest."""
+        first = codes[0]
+        counts = [part.where[0].shape[-1] for part in codes]
+        longest = max(counts)
+
+        def padded(indices: torch.Tensor) -> torch.Tensor:  # repeats a real group: the gather stays in bounds
+            return torch.cat([indices, indices[:1].expand(longest - indices.numel())])
+
+        where = tuple(torch.stack([padded(part.where[axis]) for part in codes]) for axis in (0, 1))
+        valid = None
+        if min(counts) < longest:
+            tokens = torch.arange(longest * first.code_format.group, device=where[0].device)
+            limits = torch.tensor(counts, device=where[0].device) * first.code_format.group
+            valid = (tokens < limits[:, None])[:, None]
+        return cls(first.pool, first.code_format, where, valid)
 
     def attend(self, index: int, query: torch.Tensor, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(output, lse)`` of one query ``[1, H_q, 1, D]`` over every group in layer ``index`` (all older than it)."""
-        part = self.code_format.read(self.pool, index, self.where)
+        """``(output, lse)`` of one query per sequence ``[S, H_q, 1, D]`` over its groups in layer ``index`` (all
+        older than it)."""
+        part = self.code_format.read(self.pool, index, self.where, self.valid)
         return part.attend(query, torch.zeros(1, dtype=torch.int32, device=query.device), scaling, softcap)

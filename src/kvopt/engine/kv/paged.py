@@ -88,12 +88,21 @@ class DecodeGroup:
     #: None when nothing is left over.
     rest: torch.Tensor | None
     rest_valid: torch.Tensor | None
+    #: Members (indices into ``members``) that also attend over quantized groups, and those groups read together:
+    #: one entry per code format (requests may name their own methods).
+    coded: list[tuple[list[int], CodedTokens]] = field(default_factory=list)
 
     @classmethod
     def of(cls, sequences: list[SequenceSlots], device, pieces: int = 1) -> DecodeGroup | None:
-        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and seq.codes is None and not seq.fresh]
+        members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and not seq.fresh]
         if not members:
             return None
+        by_format: dict[object, list[int]] = {}
+        for position, i in enumerate(members):
+            if sequences[i].codes is not None:
+                by_format.setdefault(sequences[i].codes.code_format, []).append(position)
+        codes = [[sequences[members[position]].codes for position in positions] for positions in by_format.values()]
+        coded = [(positions, type(group[0]).stack(group)) for positions, group in zip(by_format.values(), codes)]
         rows = torch.tensor([sequences[i].first for i in members], device=device)
         spans, tails = [], []
         for i in members:
@@ -106,14 +115,14 @@ class DecodeGroup:
             tails.append(tail)
         longest = max((t.numel() for t in tails if t is not None), default=0)
         if not longest:
-            return cls(members, rows, spans, pieces, None, None)
+            return cls(members, rows, spans, pieces, None, None, coded)
         rest = torch.zeros(len(members), longest, dtype=torch.long, device=device)
         valid = torch.zeros(len(members), 1, 1, longest, dtype=torch.bool, device=device)
         for index, tail in enumerate(tails):
             if tail is not None:
                 rest[index, : tail.numel()] = tail
                 valid[index, ..., : tail.numel()] = True
-        return cls(members, rows, spans, pieces, rest, valid)
+        return cls(members, rows, spans, pieces, rest, valid, coded)
 
 
 @dataclass(slots=True)
@@ -263,7 +272,7 @@ class PagedLayer(SeamLayer):
         batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
         done = set()
         if batched:
-            output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling)
+            output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling, self.index)
             done.update(batch.decodes.members)
         for index, seq in enumerate(batch.sequences):
             if index in done:
@@ -309,8 +318,8 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
     return [attention_math.attention_with_lse(query, k, v, None, scaling, softcap) for k, v in pieces]
 
 
-def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Tensor:
-    """Every single-query sequence at once: ``[S, heads, dim]``.
+def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int) -> torch.Tensor:
+    """Every single-query sequence at once, compressed ones' quantized groups (layer ``layer``) included: ``[S, heads, dim]``.
 
     Per sequence one flash call over its longest run, read in place and cut into
     ``group.pieces`` views that the kernel's threads share (its work units are batch x KV
@@ -349,6 +358,13 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling) -> torch.Te
         tail, tail_lse = attention_math.attention_with_lse(queries[:, :, None], tail_keys, tail_values, group.rest_valid, scale)
         output = torch.cat([output, tail[:, None, :, 0]], dim=1)
         lse = torch.cat([lse, tail_lse[:, None, :, 0]], dim=1)
+    if group.coded:  # one more piece: the coded members' groups, nothing for the others
+        piece, piece_lse = output.new_zeros(count, heads, dim), lse.new_full((count, heads), float("-inf"))
+        for members, codes in group.coded:
+            coded, coded_lse = codes.attend(layer, queries[members, :, None], scale, None)
+            piece[members], piece_lse[members] = coded[:, :, 0], coded_lse[:, :, 0]
+        output = torch.cat([output, piece[:, None]], dim=1)
+        lse = torch.cat([lse, piece_lse[:, None]], dim=1)
     if output.shape[1] == 1:
         return output[:, 0].to(query.dtype)
     merged, _ = attention_math.merge_pieces(output, lse, axis=1)
