@@ -7,7 +7,9 @@ import torch
 
 import kvopt
 from kvopt.engine.kv.paged import DecodeGroup, PagedKVPool
+from kvopt.engine.kv import compressed
 from kvopt.engine.kv.compressed import CodeFormat
+from kvopt.cache import quantized
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import CacheUsageError
@@ -84,10 +86,15 @@ def test_methods_chosen_per_request(models):
     assert_pool_empty(llm)
 
 
-def test_quantized_groups_of_two_formats_and_ragged_lengths_are_read_together(models, monkeypatch):
+@pytest.mark.parametrize("blocks", ["one", "group-sized"])
+def test_quantized_groups_of_two_formats_and_ragged_lengths_are_read_together(models, monkeypatch, blocks):
     """Decoding sequences' quantized groups are read in one batch per code format, padded to the longest: 4-bit
-    and 2-bit kivi requests of different lengths, decoding together, each equal generate."""
+    and 2-bit kivi requests of different lengths, decoding together, each equal generate (also when attention
+    dequantizes them a group at a time, so that some blocks are all padding for the shorter sequence)."""
     model = models["llama"]
+    if blocks == "group-sized":
+        monkeypatch.setattr(quantized, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(compressed, "MAX_PADDING", 10.0)  # one read per format, however ragged
     batched: list[list[int]] = []
     of = DecodeGroup.of
 
@@ -107,6 +114,23 @@ def test_quantized_groups_of_two_formats_and_ragged_lengths_are_read_together(mo
         assert output.outputs[0].token_ids == generate_with_cache(model, spec, prompt), spec
     assert [2, 2] in batched  # both formats, two sequences each, in one decode step
     assert_pool_empty(llm)
+
+
+def test_batched_reads_of_quantized_groups_pad_little_and_stay_bounded(monkeypatch):
+    """Sequences are read together only within one code format, when the longest is at most MAX_PADDING times the
+    shortest, and up to MAX_BATCH_GROUPS padded groups a read."""
+    info = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    four, two = (CodeFormat.probe(info, torch.float32, 16, bits, 32, "channel") for bits in (4, 2))
+
+    def coded(fmt: CodeFormat, groups: int) -> compressed.CodedTokens:
+        return compressed.CodedTokens(None, fmt, (torch.zeros(groups, dtype=torch.long),) * 2)
+
+    codes = [coded(four, 10), coded(two, 10), coded(four, 30), coded(four, 12), coded(four, 36)]
+    assert sorted(indices for indices, _ in compressed.CodedTokens.batches(codes)) == [[0, 3], [1], [2, 4]]
+    monkeypatch.setattr(compressed, "MAX_BATCH_GROUPS", 40)
+    assert sorted(indices for indices, _ in compressed.CodedTokens.batches(codes)) == [[0, 3], [1], [2], [4]]
+    (_, read), = compressed.CodedTokens.batches([codes[0], codes[3]])
+    assert read.where[0].shape == (2, 12) and read.valid[:, 0].sum(-1).tolist() == [320, 384]
 
 
 def run_until_decoding(llm: LLM, prompt: list[int], spec: str) -> None:

@@ -30,6 +30,7 @@ cross-layer merging are not served yet (``Method.runs_in_engine``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -107,9 +108,7 @@ class CodeFormat:
     def record_word(self, fields: Fields) -> torch.dtype:
         """The widest integer a record and a block split into: a gather of records moves words, not bytes (an
         int64 gather of 20 records took 66 us where the byte-wise one took 237 us, measured)."""
-        size = _record_bytes(fields)
-        return next(word for word in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                    if size % word.itemsize == 0 and self.block_bytes % word.itemsize == 0)  # fmt: skip
+        return _widest_word(_record_bytes(fields), self.block_bytes)
 
     def blocks_for(self, groups: int) -> int:
         """Blocks that hold ``groups`` groups."""
@@ -129,7 +128,8 @@ class CodeFormat:
     def read(self, pool, index: int, where: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor | None = None) -> QuantizedKV:
         """The groups at ``where`` in layer ``index`` as one quantized part: ``[G]`` indices for one sequence, or
         ``[S, G]`` for ``S`` sequences (a part of batch ``S``, ``valid [S, 1, G * group]`` False on the groups that
-        pad the shorter ones). Positions: all zero, older than any query."""
+        pad the shorter ones). For one decoding query per sequence, which sees every group: positions say no more
+        (a run from 0, or zeros beside ``valid``), so read it only for such a query."""
         blocks, records = (indices.reshape(-1, indices.shape[-1]) for indices in where)
         keys = self._gather(pool.keys[index], self.key_fields, self.key_dim, blocks, records)
         values = self._gather(pool.values[index], self.value_fields, self.value_dim, blocks, records)
@@ -148,6 +148,13 @@ class CodeFormat:
         return deserialize(gathered.movedim(0, 1).contiguous().view(torch.uint8), fields, self.bits, dim)
 
 
+@functools.cache
+def _widest_word(*sizes: int) -> torch.dtype:
+    """The widest integer type whose size divides every one of ``sizes`` (bytes)."""
+    return next(word for word in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if all(size % word.itemsize == 0 for size in sizes))  # fmt: skip
+
+
 def _fields(groups: quant.QuantizedGroups) -> Fields:
     return tuple((tuple(t.shape[3:]), t.dtype) for t in (groups.codes, groups.scale, groups.zero))
 
@@ -161,7 +168,8 @@ def _record_bytes(fields: Fields) -> int:
 
 
 def serialize(groups: quant.QuantizedGroups) -> torch.Tensor:
-    """One sequence's groups ``[1, H, g, ...]`` as byte records ``[H, g, record bytes]``."""
+    """One sequence's groups ``[1, H, g, ...]`` as byte records ``[H, g, record bytes]`` (what a block holds;
+    :func:`deserialize` reads them back with a leading sequence axis)."""
     heads, count = groups.codes.shape[1:3]
     tensors = (groups.codes, groups.scale, groups.zero)
     return torch.cat([t[0].reshape(heads, count, -1).contiguous().view(torch.uint8) for t in tensors], dim=-1)
@@ -474,6 +482,13 @@ class CompressedKV:
         return layout.freed
 
 
+#: Most padded groups one read of several sequences' groups holds (its records are copied ~3 times; at 4 bits, 3 KV
+#: heads of 64 channels, 2,048 groups of 32 tokens are ~16 MB of keys and values).
+MAX_BATCH_GROUPS = 2048
+#: Longest over shortest sequence (in groups) that one read pads together.
+MAX_PADDING = 1.25
+
+
 @dataclass(frozen=True)
 class CodedTokens:
     """The quantized groups of one decoding sequence, or of several read together, as attention reads them this step."""
@@ -485,12 +500,36 @@ class CodedTokens:
     #: ``[S, 1, G * group]``, False on the groups padding the shorter sequences; None when none is padded.
     valid: torch.Tensor | None = None
 
+    def __len__(self) -> int:
+        """Groups (of the longest sequence, when several)."""
+        return self.where[0].shape[-1]
+
+    @classmethod
+    def batches(cls, codes: list[CodedTokens]) -> list[tuple[list[int], CodedTokens]]:
+        """Decoding sequences' groups (one sequence each in ``codes``) as few reads as pay: one per code format (requests
+        may name their own methods) and similar length (padding costs at most ``MAX_PADDING`` times the work), at most
+        ``MAX_BATCH_GROUPS`` padded groups each; with the indices into ``codes`` that each read serves."""
+        by_format: dict[CodeFormat, list[int]] = {}
+        for index, part in enumerate(codes):
+            by_format.setdefault(part.code_format, []).append(index)
+        buckets: list[list[int]] = []
+        for indices in by_format.values():
+            bucket: list[int] = []
+            for index in sorted(indices, key=lambda i: len(codes[i])):
+                count = len(codes[index])
+                if bucket and (count > MAX_PADDING * len(codes[bucket[0]]) or count * (len(bucket) + 1) > MAX_BATCH_GROUPS):
+                    buckets.append(bucket)
+                    bucket = []
+                bucket.append(index)
+            buckets.append(bucket)
+        return [(bucket, cls.stack([codes[index] for index in bucket])) for bucket in buckets]
+
     @classmethod
     def stack(cls, codes: list[CodedTokens]) -> CodedTokens:
         """Several sequences' groups as one read: a layer's groups of all of them in one gather, one dequantization
         and one attention call (instead of some twenty small ops per sequence), each padded to the longest."""
         first = codes[0]
-        counts = [part.where[0].shape[-1] for part in codes]
+        counts = [len(part) for part in codes]
         longest = max(counts)
 
         def padded(indices: torch.Tensor) -> torch.Tensor:  # repeats a real group: the gather stays in bounds

@@ -88,8 +88,8 @@ class DecodeGroup:
     #: None when nothing is left over.
     rest: torch.Tensor | None
     rest_valid: torch.Tensor | None
-    #: Members (indices into ``members``) that also attend over quantized groups, and those groups read together:
-    #: one entry per code format (requests may name their own methods).
+    #: Members (positions in ``members``) that also attend over quantized groups, and those groups read together
+    #: (:meth:`~kvopt.engine.kv.compressed.CodedTokens.batches`: by code format and similar length).
     coded: list[tuple[list[int], CodedTokens]] = field(default_factory=list)
 
     @classmethod
@@ -97,12 +97,12 @@ class DecodeGroup:
         members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and not seq.fresh]
         if not members:
             return None
-        by_format: dict[object, list[int]] = {}
-        for position, i in enumerate(members):
-            if sequences[i].codes is not None:
-                by_format.setdefault(sequences[i].codes.code_format, []).append(position)
-        codes = [[sequences[members[position]].codes for position in positions] for positions in by_format.values()]
-        coded = [(positions, type(group[0]).stack(group)) for positions, group in zip(by_format.values(), codes)]
+        coded = []
+        with_codes = [position for position, i in enumerate(members) if sequences[i].codes is not None]
+        if with_codes and torch.device(device).type == "cpu":  # where the batched pass runs (cpu_flash_available)
+            codes = [sequences[members[position]].codes for position in with_codes]
+            batches = type(codes[0]).batches(codes)  # their class: kv/compressed.py imports this module
+            coded = [([with_codes[index] for index in indices], batch) for indices, batch in batches]
         rows = torch.tensor([sequences[i].first for i in members], device=device)
         spans, tails = [], []
         for i in members:
@@ -360,9 +360,9 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
         lse = torch.cat([lse, tail_lse[:, None, :, 0]], dim=1)
     if group.coded:  # one more piece: the coded members' groups, nothing for the others
         piece, piece_lse = output.new_zeros(count, heads, dim), lse.new_full((count, heads), float("-inf"))
-        for members, codes in group.coded:
-            coded, coded_lse = codes.attend(layer, queries[members, :, None], scale, None)
-            piece[members], piece_lse[members] = coded[:, :, 0], coded_lse[:, :, 0]
+        for positions, codes in group.coded:
+            out, out_lse = codes.attend(layer, queries[positions, :, None], scale, None)
+            piece[positions], piece_lse[positions] = out[:, :, 0], out_lse[:, :, 0]
         output = torch.cat([output, piece[:, None]], dim=1)
         lse = torch.cat([lse, piece_lse[:, None]], dim=1)
     if output.shape[1] == 1:
