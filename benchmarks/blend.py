@@ -99,6 +99,8 @@ def main() -> None:
                         "(N processes, one per core, split one grid)")  # fmt: skip
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--kv-memory", default="512MB", help="each contender's pool")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="each engine's context (its pool must hold "
+                        "one sequence this long: a 32k model's would need a larger --kv-memory)")  # fmt: skip
     parser.add_argument("--chunk-memory", default="1GB", help="each chunk-caching contender's chunk store (it holds "
                         "every pool passage)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROWS)
@@ -114,7 +116,8 @@ def main() -> None:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
-    engines = {contender: kvopt.LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory, **CONTENDERS[contender],
+    engines = {contender: kvopt.LLM(model, tokenizer=tokenizer, kv_memory=args.kv_memory,
+                                    max_model_len=args.max_model_len, **CONTENDERS[contender],
                                     **({"chunk_memory": args.chunk_memory} if "enable_chunk_caching" in CONTENDERS[contender]
                                        else {}))
                for contender in contenders}  # fmt: skip
