@@ -145,7 +145,7 @@ class CodeFormat:
         """The records at ``blocks/records [S, G]`` of one layer's key or value pool as groups ``[S, H, G, ...]``."""
         word = self.record_word(fields)
         gathered = self.records(pool, fields, word)[:, blocks, records]  # [H, S, G, words]
-        return deserialize(gathered.movedim(0, 1).contiguous().view(torch.uint8), fields, self.bits, dim)
+        return deserialize(gathered.movedim(0, 1).view(torch.uint8), fields, self.bits, dim)  # each field copied once
 
 
 @functools.cache
