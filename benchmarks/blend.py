@@ -15,10 +15,13 @@ is tokenized on its own (ending in its blank line), and the question closes the 
 - ``full``: a full prefill, prefix caching off.
 - ``prefix``: prefix caching on and warmed with the head: the head hits, the passages (in a new order) do not.
 - ``blend:0`` (plain concatenation), ``cacheblend:0.05|0.15|0.3`` and ``epic`` (each passage's first 16 tokens):
-  chunk caching on, the head and the passages given as chunks. Before a length's prompts every pool passage and
-  the head are computed once on their own (each passage seen before, at another position), so a prompt finds all
-  its chunks; that warm-up's time is a row of its own. The head opens the prompt, so its reused KV is what a
-  prefill computes: no strategy recomputes it, and CacheBlend's share counts only the passages' tokens.
+  chunk caching on, the head as the preamble and the passages as chunks. Before a length's prompts every pool
+  passage is computed once after the head (each passage seen before, at another position), so a prompt finds all
+  its chunks; that warm-up's time is a row of its own. The head and the first passage are then reused exactly
+  (what a prefill computes): no strategy recomputes them, and CacheBlend's share counts only the other passages.
+
+Rows of chunk contenders say how their passages were computed (``chunks_after``: ``preamble``); rows without it
+are from the earlier design, passages computed alone from position 0, and are reported beside as such.
 
 Scores are the task's (the number in the answer); "kept" is the paired share of ``full``'s correct answers
 (:func:`kvopt.eval.report.retention`).
@@ -50,6 +53,15 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: The issue's bar, at the longest length: CacheBlend 15% this many times faster to the first token than a full
 #: prefill, keeping this share of its answers.
 TARGET_SPEEDUP, TARGET_KEPT, TARGET_CONTENDER = 2.5, 0.95, "cacheblend:0.15"
+#: What a chunk contender's passages are computed after now (the rows' ``chunks_after``); rows without the field
+#: had them computed alone, from position 0.
+CHUNKS_AFTER = "preamble"
+
+
+def label(row: dict) -> str:
+    """A row's contender as reported: chunk contenders of the earlier design marked as computed alone."""
+    chunked = CONTENDERS[row["contender"]].get("enable_chunk_caching")
+    return row["contender"] if not chunked or row.get("chunks_after") == CHUNKS_AFTER else f"{row['contender']} (alone)"
 
 
 def prompt_pieces(tokenizer, sample, words: int) -> tuple[list[int], list[list[int]], list[int]]:
@@ -121,7 +133,7 @@ def main() -> None:
                                     **({"chunk_memory": args.chunk_memory} if "enable_chunk_caching" in CONTENDERS[contender]
                                        else {}))
                for contender in contenders}  # fmt: skip
-    done = {(row["task"], row["length"], row["sample"], row["contender"])
+    done = {(row["task"], row["length"], row["sample"], label(row))
             for row in map(json.loads, args.out.read_text().splitlines() if args.out.exists() else [])
             if row.get("model") == name and "task" in row}  # fmt: skip
     params = kvopt.SamplingParams(temperature=0, max_tokens=REGISTRY[TASKS[0]].max_new_tokens)
@@ -145,22 +157,23 @@ def main() -> None:
             started = time.perf_counter()
             warm = []
             if CONTENDERS[contender].get("enable_chunk_caching"):
-                warm = llm.generate([{"chunks": [chunk], "prompt": head[-1:]} for chunk in [head, *passage_ids]], one,
-                                    use_tqdm=False)  # fmt: skip
+                warm = llm.generate([{"preamble": head, "chunks": [chunk], "prompt": head[-1:]} for chunk in passage_ids],
+                                    one, use_tqdm=False)  # fmt: skip
             elif CONTENDERS[contender]["enable_prefix_caching"]:
                 warm = llm.generate([head], one, use_tqdm=False)
             failed = next((output.error for output in warm if output.error), None)
             if failed:
                 raise SystemExit(f"{contender}'s warm-up failed at {length} tokens: {failed}")
-            write({"kind": "warm", "contender": contender, "length": length, "seconds": time.perf_counter() - started})
+            write({"kind": "warm", "contender": contender, "length": length, "seconds": time.perf_counter() - started,
+                   **chunks_after(contender)})
         for index in range((part - 1) * args.samples // parts, part * args.samples // parts):
             for task in TASKS:
                 head_ids, documents, question = pieces[task, index]
                 turn = contenders[index % len(contenders) :] + contenders[: index % len(contenders)]
                 for contender in turn:  # a rotating order, so no contender always runs after the same one
-                    if (task, length, index, contender) in done:
+                    if (task, length, index, label({"contender": contender, **chunks_after(contender)})) in done:
                         continue
-                    prompt = ({"chunks": [head_ids, *documents], "prompt": question}
+                    prompt = ({"preamble": head_ids, "chunks": documents, "prompt": question}
                               if CONTENDERS[contender].get("enable_chunk_caching")
                               else head_ids + sum(documents, []) + question)  # fmt: skip
                     output = engines[contender].generate([prompt], params, use_tqdm=False)[0]
@@ -171,10 +184,15 @@ def main() -> None:
                            "passages": len(documents), "prompt_tokens": len(output.prompt_token_ids),
                            "cached_tokens": output.metrics.cached_tokens,
                            "ttft_s": output.metrics.time_to_first_token, "score": score(samples[task, index], text),
-                           "answer": text}  # fmt: skip
+                           "answer": text, **chunks_after(contender)}  # fmt: skip
                     write(row)
                     print(f"{length} {task} #{index} {contender}: ttft {row['ttft_s']:.2f} s, score {row['score']:g}",
                           flush=True)  # fmt: skip
+
+
+def chunks_after(contender: str) -> dict:
+    """The row field saying what a chunk contender's passages are computed after."""
+    return {"chunks_after": CHUNKS_AFTER} if CONTENDERS[contender].get("enable_chunk_caching") else {}
 
 
 def render(rows: list[dict]) -> str:
@@ -184,7 +202,8 @@ def render(rows: list[dict]) -> str:
                      row_dates(ROWS), ROWS), "",
              "Retrieval-augmented prompts (`retrieval`: one passage holds the answer; `retrieval_2hop`: the answer "
              "needs a link in one passage and the number in another), passages drawn from one pool of 32 and "
-             "re-ordered across prompts, each passage's KV computed beforehand on its own. Each contender is its own "
+             "re-ordered across prompts, each passage's KV computed beforehand after the prompt's head (\"(alone)\": "
+             "the earlier design, computed from position 0). Each contender is its own "
              "`kvopt.LLM` on the same token ids, one request at a time, greedy; TTFT is the engine's own. Kept: of "
              "the prompts `full` answers, the share the contender answers too, with its 95% Wilson interval; "
              "accuracy is the contender's own. See `benchmarks/blend.py` for the contenders.", ""]  # fmt: skip
@@ -210,8 +229,9 @@ def _table(model: str, length: int, rows: list[dict], warm: list[dict]) -> list[
              " | ".join(f"{task} accuracy | {task} kept of full" for task in TASKS) + " | warm-up |",
              "|---|---:|---:|---:|" + "---:|---:|" * len(TASKS) + "---:|"]  # fmt: skip
     verdict = []
-    for contender in CONTENDERS:
-        mine = [row for row in rows if row["contender"] == contender]
+    labels = [*CONTENDERS, *(f"{contender} (alone)" for contender in CONTENDERS)]
+    for contender in labels:
+        mine = [row for row in rows if label(row) == contender]
         if not mine:
             continue
         ttft = statistics.median(row["ttft_s"] for row in mine)
@@ -228,7 +248,7 @@ def _table(model: str, length: int, rows: list[dict], warm: list[dict]) -> list[
             kept = retention(ran, reference)
             cells.append(f"{hits / len(ran):.0%} [{low * 100:.0f}–{high * 100:.0f}] | "
                          f"{'–' if contender == 'full' or kept is None else kept.cell()}")  # fmt: skip
-        seconds = next((row["seconds"] for row in warm if row["contender"] == contender), None)
+        seconds = next((row["seconds"] for row in warm if label(row) == contender), None)
         lines.append(f"| {contender} | {len(mine)} | {ttft:.2f} s | {full_ttft / ttft:.2f}x | {' | '.join(cells)} | "
                      f"{'–' if not seconds or contender == 'full' else f'{seconds:.1f} s'} |")  # fmt: skip
         if contender == TARGET_CONTENDER and kept_all is not None:

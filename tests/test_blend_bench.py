@@ -40,9 +40,11 @@ def test_the_pieces_are_the_templated_prompt_cut_at_its_passages(tokenizer, leng
     assert len(heads) == 1  # one shared head for every prompt of a length
 
 
-def rows(contender: str, scores: list[float], ttft: float, task: str = "retrieval") -> list[dict]:
+def rows(contender: str, scores: list[float], ttft: float, task: str = "retrieval", alone: bool = False) -> list[dict]:
+    """Rows of one contender; a chunk contender's passages computed after the preamble unless ``alone``."""
+    after = {} if alone or contender == "full" else blend.chunks_after(contender)
     return [{"model": "m", "task": task, "length": 4096, "sample": index, "seed": 0, "contender": contender,
-             "passages": 8, "prompt_tokens": 4000, "ttft_s": ttft, "score": score}
+             "passages": 8, "prompt_tokens": 4000, "ttft_s": ttft, "score": score, **after}
             for index, score in enumerate(scores)]  # fmt: skip
 
 
@@ -50,10 +52,14 @@ def test_the_section_reads_speed_and_paired_answers():
     full = rows("full", [1, 1, 1, 1, 0], 4.0) + rows("full", [1, 1, 0, 0, 0], 4.0, "retrieval_2hop")
     fast = rows("cacheblend:0.15", [1, 1, 1, 1, 1], 1.0) + rows("cacheblend:0.15", [1, 1, 0, 0, 1], 1.0, "retrieval_2hop")
     loose = rows("blend:0", [0, 0, 1, 1, 1], 0.5)  # answers only some of full's: paired, never above 100%
-    warm = [{"model": "m", "kind": "warm", "contender": "cacheblend:0.15", "length": 4096, "seconds": 12.5}]
-    text = blend.render(full + fast + loose + warm)
+    earlier = rows("blend:0", [0, 0, 0, 1, 1], 0.5, alone=True)  # the earlier design's rows, reported beside
+    warm = [{"model": "m", "kind": "warm", "contender": "cacheblend:0.15", "length": 4096, "seconds": 12.5,
+             **blend.chunks_after("cacheblend:0.15")}]  # fmt: skip
+    text = blend.render(full + fast + loose + earlier + warm)
     assert "### m, 8 passages (~4,000-token prompts)" in text
     assert "| cacheblend:0.15 | 10 | 1.00 s | 4.00x | 100% [57–100] | 100% [51–100] of 4 |" in text
     assert "| blend:0 | 5 | 0.50 s | 8.00x | 60% [23–88] | 50% [15–85] of 4 |" in text
+    assert "| blend:0 (alone) | 5 | 0.50 s | 8.00x | 40% [12–77] | 25% [5–70] of 4 |" in text
+    assert text.index("| blend:0 |") < text.index("| blend:0 (alone) |")
     assert "12.5 s |" in text
     assert "4.00x lower TTFT than full prefill, keeping 100% [61–100] of 6 (accuracy 80% vs full's 60%)" in text and "holds at this length" in text

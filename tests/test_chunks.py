@@ -36,8 +36,16 @@ def tokens(count: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def rag_prompt() -> list:
-    return [tokens(5, 1), Chunk(tuple(tokens(20, 2))), Chunk(tuple(tokens(17, 3))), tokens(6, 4)]
+def rag_prompt(kind: str = "plain") -> list:
+    """``plain``: chunks computed from position 0 after new text; ``preamble``: a system text opening the prompt and
+    documents computed after it (the first one exact there); ``early``: a chunk placed before its preamble's end."""
+    head = tuple(tokens(8, 12))
+    first, second = tuple(tokens(20, 2)), tuple(tokens(17, 3))
+    return {
+        "plain": [tokens(5, 1), Chunk(first), Chunk(second), tokens(6, 4)],
+        "preamble": [Chunk(head), Chunk(first, head), Chunk(second, head), tokens(6, 4)],
+        "early": [tokens(3, 1), Chunk(first, head), tokens(6, 4)],
+    }[kind]
 
 
 def flat(pieces) -> list[int]:
@@ -125,34 +133,34 @@ def slow_blend(reference, pieces, ratio: float, strategy: str, epic_tokens: int 
     reused_k = [full.layers[i].keys.clone() for i in range(layers)]
     reused_v = [full.layers[i].values.clone() for i in range(layers)]
     fresh = torch.ones(width, dtype=torch.bool)
+    moved = torch.zeros(width, dtype=torch.bool)  # chunk tokens that saw other text than their preamble
+    sinks = torch.zeros(width, dtype=torch.bool)  # each moved chunk's first epic_tokens
     start = 0
     for piece in pieces:
         size = len(piece.tokens if isinstance(piece, Chunk) else piece)
         if isinstance(piece, Chunk):
+            # The chunk after its preamble, placed so that the chunk's own tokens sit at start..start+size-1.
+            before = len(piece.preamble)
             alone = DynamicCache()
             with torch.no_grad():
-                reference(torch.tensor([list(piece.tokens)]), position_ids=torch.arange(start, start + size)[None],
-                          **cache_kwargs(reference, alone))  # fmt: skip
+                reference(torch.tensor([[*piece.preamble, *piece.tokens]]),
+                          position_ids=torch.arange(start - before, start + size)[None], **cache_kwargs(reference, alone))  # fmt: skip
             end = min(start + size, width)
             for i in range(layers):
-                reused_k[i][:, :, start:end] = alone.layers[i].keys[:, :, : end - start]
-                reused_v[i][:, :, start:end] = alone.layers[i].values[:, :, : end - start]
+                reused_k[i][:, :, start:end] = alone.layers[i].keys[:, :, before : before + end - start]
+                reused_v[i][:, :, start:end] = alone.layers[i].values[:, :, before : before + end - start]
             fresh[start:end] = False
+            if tuple(ids[:start]) != piece.preamble:
+                moved[start:end] = True
+                sinks[start : min(start + epic_tokens, width)] = True
         start += size
-    chosen = fresh.clone()
+    chosen = fresh | sinks if strategy == "epic" else fresh.clone()
     fixed = 0
-    if strategy == "epic":
-        start = 0
-        for piece in pieces:
-            size = len(piece.tokens if isinstance(piece, Chunk) else piece)
-            if isinstance(piece, Chunk) and start > 0:
-                chosen[start : start + epic_tokens] = True
-            start += size
-    elif ratio > 0:
+    if strategy == "cacheblend" and ratio > 0:
         fixed = check + 1
         deviation = (full.layers[check].values - reused_v[check]).square().sum(dim=(0, 1, 3))
-        deviation[fresh] = -float("inf")
-        count = round(ratio * int((~fresh).sum()))
+        deviation[~moved] = -float("inf")
+        count = round(ratio * int(moved.sum()))
         chosen[deviation.topk(count).indices] = True
     keys = [full.layers[i].keys.clone() if i < fixed else reused_k[i].clone() for i in range(layers)]
     values = [full.layers[i].values.clone() if i < fixed else reused_v[i].clone() for i in range(layers)]
@@ -167,19 +175,37 @@ def slow_blend(reference, pieces, ratio: float, strategy: str, epic_tokens: int 
         for i in range(fixed, layers):
             keys[i][:, :, t] = prefix.layers[i].keys[:, :, t]
             values[i][:, :, t] = prefix.layers[i].values[:, :, t]
-    return keys, values
+    return keys, values, int((chosen & ~fresh).sum())
 
 
+@pytest.mark.parametrize("kind", ["plain", "preamble", "early"])
 @pytest.mark.parametrize(("strategy", "ratio"), [("cacheblend", 0.0), ("cacheblend", 0.15), ("cacheblend", 0.5),
                                                  ("epic", 0.0)])  # fmt: skip
-def test_blending_equals_the_token_by_token_reference(model, reference, strategy, ratio):
-    pieces = rag_prompt()
+def test_blending_equals_the_token_by_token_reference(model, reference, strategy, ratio, kind):
+    pieces = rag_prompt(kind)
     blended = blend(model, pieces, ChunkStore(model), blend_ratio=ratio, strategy=strategy, epic_tokens=4)
-    keys, values = slow_blend(reference, pieces, ratio, strategy, epic_tokens=4)
+    keys, values, recomputed = slow_blend(reference, pieces, ratio, strategy, epic_tokens=4)
     for layer, (k, v) in zip(blended.cache.layers, zip(keys, values)):
         torch.testing.assert_close(layer.store.keys, k, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.store.values, v, atol=1e-5, rtol=0)
-    assert blended.recomputed == {0.0: 8 if strategy == "epic" else 0, 0.15: 6, 0.5: 18}[ratio]  # epic: 4 of each chunk
+    assert blended.recomputed == recomputed
+    # plain: 4 of each chunk (epic) or a share of both; preamble: only the second document moved (17 tokens)
+    expected = {"plain": {0.0: 8 if strategy == "epic" else 0, 0.15: 6, 0.5: 18},
+                "preamble": {0.0: 4 if strategy == "epic" else 0, 0.15: 3, 0.5: 8},
+                "early": {0.0: 4 if strategy == "epic" else 0, 0.15: 3, 0.5: 10}}[kind][ratio]  # fmt: skip
+    assert recomputed == expected
+
+
+def test_a_document_right_after_its_preamble_is_reused_exactly(model, reference):
+    head, document, question = tuple(tokens(12, 13)), tuple(tokens(25, 14)), tokens(6, 15)
+    store = ChunkStore(model)
+    blended = blend(model, [Chunk(head), Chunk(document, head), question], store, blend_ratio=0.0)
+    with torch.no_grad():
+        expected = reference(torch.tensor([[*head, *document, *question]])).logits[0, -1]
+    assert blended.recomputed == 0 and blended.chunk_tokens == 37
+    torch.testing.assert_close(last_logits(model, blended.input_ids, blended.cache), expected, atol=1e-5, rtol=0)
+    assert store.stats.stores == 2 and store.stats.hits == 1  # the document was computed on the preamble's stored KV
+    assert store.get(Chunk(document, head)).start == 12 and store.get(Chunk(document)).start == 0
 
 
 def test_the_blended_cache_holds_a_full_prefill_s_bytes_and_a_compressed_method_drops_them(model):
@@ -195,21 +221,24 @@ def test_the_blended_cache_holds_a_full_prefill_s_bytes_and_a_compressed_method_
     assert out.shape[1] == compressed.input_ids.shape[1] + 4
 
 
-def test_chunk_keys_never_collide_across_models_methods_or_tokens(model):
-    chunk = tuple(tokens(10, 9))
+def test_chunk_keys_never_collide_across_models_methods_preambles_or_tokens(model):
+    ids = tuple(tokens(10, 9))
+    chunk = Chunk(ids)
     other_model = tiny_model("llama", seed=1)
     kvopt.prepare(other_model)
+    store = ChunkStore(model)
     keys = {
-        ChunkStore(model).key(chunk), ChunkStore(model, method="kivi:bits=4").key(chunk),
-        ChunkStore(other_model).key(chunk), ChunkStore(model).key(chunk[:-1]), ChunkStore(model).key(chunk + (5,)),
+        store.key(chunk), ChunkStore(model, method="kivi:bits=4").key(chunk), ChunkStore(other_model).key(chunk),
+        store.key(Chunk(ids[:-1])), store.key(Chunk(ids + (5,))), store.key(Chunk(ids, (7,))),
+        store.key(Chunk(ids[1:], ids[:1])),  # the same ids in a row, split elsewhere between preamble and chunk
     }  # fmt: skip
-    assert len(keys) == 5
-    assert ChunkStore(model).key(chunk) == ChunkStore(model).key(list(chunk))
+    assert len(keys) == 7
+    assert store.key(chunk) == ChunkStore(model).key(Chunk(ids))
 
 
 def test_a_chunk_stored_by_one_store_is_found_by_another_through_disk_and_redis(model, tmp_path):
     server = RedisServer()
-    chunk = Chunk(tuple(tokens(30, 10)))
+    chunk = Chunk(tuple(tokens(30, 10)), preamble=tuple(tokens(6, 16)))
     try:
         writer = ChunkStore(model, tiers=TierChain([DiskTier(tmp_path, 1 << 24), RedisTier(server.url)]))
         stored = writer.get(chunk)
@@ -217,7 +246,7 @@ def test_a_chunk_stored_by_one_store_is_found_by_another_through_disk_and_redis(
         for tier in (DiskTier(tmp_path, 1 << 24), RedisTier(server.url)):
             reader = ChunkStore(model, tiers=TierChain([tier]))
             found = reader.get(chunk)
-            assert tier.stats.hits == 1 and reader.stats.stores == 0
+            assert tier.stats.hits == 1 and reader.stats.stores == 0 and found.start == 6
             assert all(torch.equal(a, b) for a, b in zip(found.keys + found.values, stored.keys + stored.values))
             reader.tiers.close()
         writer.tiers.close()
@@ -328,6 +357,28 @@ def test_the_engine_serves_chunked_prompts_and_blend_one_equals_the_plain_prompt
     assert_pool_empty(llm)
 
 
+def test_engine_documents_are_computed_after_the_preamble(tiny_with_tokenizer):
+    params = kvopt.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = chunk_llm(tiny_with_tokenizer, blend_ratio=0.0)
+    tokenizer = llm.tokenizer
+    preamble, question = "You answer from the documents.", "Where does the river rise?"
+    head, document, asked = (tokenizer(text, add_special_tokens=False).input_ids for text in (preamble, DOCS[0], question))
+    ids = head + document + asked
+    # The only document follows its preamble: reused exactly, so even plain concatenation is the plain prompt.
+    chunked, plain = llm.generate([{"preamble": preamble, "chunks": [DOCS[0]], "prompt": question}, ids], params,
+                                  use_tqdm=False)  # fmt: skip
+    assert list(chunked.prompt_token_ids) == ids
+    assert chunked.outputs[0].token_ids == plain.outputs[0].token_ids
+    store = llm.engine._chunk_stores["full"]
+    assert store.get(Chunk(tuple(document), tuple(head))).start == len(head)
+    assert store.stats.stores == 2  # the preamble, the document after it
+    llm.generate([{"preamble": preamble, "chunks": list(reversed(DOCS)), "prompt": question}], params, use_tqdm=False)
+    assert store.stats.stores == 3  # only the new document; the first one is found again at its new position
+    with pytest.raises(kvopt.engine.requests.RequestSchemaError, match="preamble"):
+        llm.generate([{"preamble": preamble, "chunks": [DOCS[0]], "prompt": question, "extra": 1}], params)
+    assert_pool_empty(llm)
+
+
 def test_engine_chunks_go_through_the_kv_tiers_to_another_engine(tiny_with_tokenizer, tmp_path):
     params = kvopt.SamplingParams(max_tokens=4, temperature=0)
     first = chunk_llm(tiny_with_tokenizer, kv_tiers=(f"disk:{tmp_path}:64MB",))
@@ -403,6 +454,23 @@ def test_the_server_places_documents_before_the_last_user_message(tiny_with_toke
         assert refused.status_code == 400 and "documents" in refused.json()["error"]["message"]
         again = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": [DOCS[1]]}, timeout=60)
         assert again.status_code == 200
-    stats = llm.engine._chunk_stores["full"].stats
-    assert (stats.stores, stats.hits) == (3, 2)  # the chat's head and both documents, then the head and one again
+        stats = llm.engine._chunk_stores["full"].stats
+        # The chat's head, then both documents computed on its stored KV (2 hits); then the head and one again.
+        assert (stats.stores, stats.hits) == (3, 4)
+        # A later turn: the documents keep their preamble (the text before the first user message), so they are
+        # found again; the earlier turns are new text between the preamble and the documents.
+        turns = [*messages, {"role": "assistant", "content": "In the hills."}, {"role": "user", "content": "And then?"}]
+        rendered = llm.apply_chat_template([messages[0], {"role": "user", "content": "\x00" + messages[1]["content"]},
+                                            turns[2], {"role": "user", "content": "\x01" + turns[3]["content"]}])  # fmt: skip
+        head, rest = rendered.split("\x00")
+        history, tail = rest.split("\x01")
+        ids = [t for text in (head, history, *(f"{doc}\n\n" for doc in DOCS), tail)
+               for t in tokenizer(text, add_special_tokens=False).input_ids]  # fmt: skip
+        later = httpx.post(server.url + "/v1/chat/completions",
+                           json={**body, "messages": turns, "documents": list(DOCS)}, timeout=60).json()  # fmt: skip
+        plain = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6,
+                                                                 "temperature": 0, "ignore_eos": True}, timeout=60).json()  # fmt: skip
+        assert later["usage"]["prompt_tokens"] == len(ids)
+        assert later["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+        assert (stats.stores, stats.hits) == (3, 7)
     assert_pool_empty(llm)

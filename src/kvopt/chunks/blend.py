@@ -10,11 +10,12 @@ the text before them, so some of their tokens are recomputed, and which ones is 
   ``blend_ratio`` share of chunk tokens, with every new-text token, are the only ones computed in the later
   layers, whose KV replaces the reused one at their positions; the others keep the reused KV.
   ``blend_ratio=0`` is plain concatenation (only new text is computed, in every layer), ``1`` a full prefill.
-- ``epic`` (LegoLink, arXiv 2410.15332; §26): the first ``epic_tokens`` tokens of every chunk that does not
-  open the prompt (its spurious attention sinks) and the new text are recomputed through all layers.
+- ``epic`` (LegoLink, arXiv 2410.15332; §26): the first ``epic_tokens`` tokens of every chunk not placed right
+  after its preamble (its spurious attention sinks) and the new text are recomputed through all layers.
 
-A chunk that opens the prompt (a system prompt, a chat template's head) saw nothing before it here either: its
-reused KV is what a prefill computes, so no strategy recomputes it and CacheBlend's share counts only the chunks after it.
+A chunk placed right after the text it was computed after (its preamble, see :mod:`kvopt.chunks.store`: the
+first document after the system prompt, or a system prompt opening the prompt) saw exactly what it sees here:
+its reused KV is what a prefill computes, so no strategy recomputes it and CacheBlend's share counts only the others.
 
 Recomputed tokens attend causally to everything before them, reused and recomputed alike: the
 model's own decoder layers run on them alone (the hooks and :class:`~kvopt.methods.fastkv.Propagated` FastKV
@@ -134,12 +135,12 @@ def blend(
                          "pass fewer or shorter chunks")  # fmt: skip
     device = next(model.parameters()).device
     width = len(ids) - 1
-    plan = _plan(store, placed, fresh[:width], width, device)
+    plan = _plan(store, ids, placed, fresh[:width], width, device)
     plan.check_layer, plan.ratio = check, blend_ratio
     if strategy == "epic":
         plan.chosen = plan.fresh.clone()
-        for start, _ in placed:
-            if start > 0:
+        for start, chunk in placed:
+            if not _exact(ids, start, chunk):
                 plan.chosen[start : min(start + epic_tokens, width)] = True
     elif blend_ratio == 0.0 or not (plan.fresh.any() or round(blend_ratio * int(plan.moved.sum()))):
         plan.chosen = plan.fresh.clone()  # concatenation (also CacheBlend with no token to compute past its check)
@@ -184,7 +185,12 @@ def _layout(pieces: Sequence[Chunk | Sequence[int]]) -> tuple[list[int], torch.T
     return ids, torch.tensor(flags, dtype=torch.bool), placed
 
 
-def _plan(store: ChunkStore, placed, fresh: torch.Tensor, width: int, device) -> _Plan:
+def _exact(ids: list[int], start: int, chunk: Chunk) -> bool:
+    """Whether the prompt puts exactly the chunk's preamble before it (its stored KV is then a prefill's)."""
+    return start == len(chunk.preamble) and tuple(ids[:start]) == chunk.preamble
+
+
+def _plan(store: ChunkStore, ids: list[int], placed, fresh: torch.Tensor, width: int, device) -> _Plan:
     """Reused KV of the first ``width`` tokens, each chunk's keys moved to its start."""
     fresh = fresh.to(device)
     trailing = int(fresh.flip(0).cumprod(0).sum()) if width else 0
@@ -203,8 +209,9 @@ def _plan(store: ChunkStore, placed, fresh: torch.Tensor, width: int, device) ->
         keys.append(layer_keys)
         values.append(layer_values)
     moved = ~fresh
-    if placed and placed[0][0] == 0:  # a chunk opening the prompt is exact as stored
-        moved[: len(placed[0][1].tokens)] = False
+    for start, chunk in placed:
+        if _exact(ids, start, chunk):
+            moved[start : start + len(chunk.tokens)] = False
     return _Plan(width, keys, values, fresh, moved, None, 0.0, 0, trailing)
 
 

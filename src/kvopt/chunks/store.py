@@ -1,14 +1,22 @@
 """Chunk KV computed once and found again by content, wherever the chunk appears in a prompt.
 
-A retrieved document comes back in other prompts at other positions, so its KV is computed on its
-own, at positions ``0..T-1`` (no preamble), and stored post-RoPE. Moving it to position ``s`` is one
-RoPE rotation by ``s`` (rotations compose, ``R(p + s) = R(s) R(p)``; :mod:`kvopt.cache.prerope` has the
-model's own frequencies), so one stored copy serves every position (CacheBlend, arXiv 2405.16444, §25;
-EPIC, arXiv 2410.15332, §26).
+A retrieved document comes back in other prompts at other positions, so its KV is computed once, without
+the other documents, and stored post-RoPE. Moving it to position ``s`` is one RoPE rotation by the
+position delta (rotations compose, ``R(p + s) = R(s) R(p)``; :mod:`kvopt.cache.prerope` has the model's
+own frequencies), so one stored copy serves every position (CacheBlend, arXiv 2405.16444, §25; EPIC,
+arXiv 2410.15332, §26).
+
+A chunk is computed after its ``preamble``: the text every prompt puts before its documents (a system
+prompt, the chat template's head), or nothing. Only the chunk's own KV is stored, at positions
+``len(preamble)..``. A chunk computed from position 0 sees no text before it, so every one of its tokens
+takes the attention sink role of a prompt's first token. After the preamble, its KV is what the document
+sees in the prompt it will serve, less the other documents: measured on the retrieval task, plain
+concatenation then keeps about twice as many of a full prefill's answers (BENCHMARKS.md). The preamble's
+own KV is a chunk too (from position 0), so it is computed once and extended for each document.
 
 A chunk's key hashes the model fingerprint (:func:`~kvopt.codec.fingerprint.model_fingerprint`), the KV
-method spec the blended cache is built for, the entry encoding and the token ids, so entries never
-collide across models or methods. Entries live in memory (decoded, LRU by bytes) and in the tiers
+method spec the blended cache is built for, the entry encoding, the preamble's and the chunk's token ids,
+so entries never collide across models, methods or preambles. Entries live in memory (decoded, LRU by bytes) and in the tiers
 (:mod:`kvopt.tiers`: CPU, disk, Redis) as :func:`~kvopt.codec.blocks.encode_block` bytes, whose checksums and
 fingerprint reject a damaged or foreign entry: it is dropped from every tier and the chunk recomputed.
 """
@@ -18,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +43,7 @@ from kvopt.tiers.base import TierStats
 from kvopt.tiers.chain import TierChain
 
 #: Bumped when what an entry holds changes (positions, encoding), so old entries are never read as new ones.
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2
 ENCODING = "raw"
 
 
@@ -49,6 +56,8 @@ class Chunk:
     """Token ids of a reusable piece of a prompt (a retrieved document): its KV is computed once and reused."""
 
     tokens: tuple[int, ...]
+    #: What the chunk is computed after (the prompt's text before its documents), see the module.
+    preamble: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -57,9 +66,11 @@ class Chunk:
 
 @dataclass
 class ChunkKV:
-    """One chunk's KV per layer, ``keys/values [1, kv_heads, tokens, head_dim]``, keys post-RoPE at ``0..T-1``."""
+    """One chunk's KV per layer, ``keys/values [1, kv_heads, tokens, head_dim]``, keys post-RoPE at
+    ``start..start+T-1`` (``start``: its preamble's length)."""
 
     tokens: tuple[int, ...]
+    start: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
@@ -112,33 +123,34 @@ class ChunkStore:
         shared: dict[tuple, RopeTable] = {}
         self.tables = [shared.setdefault(tuple(f.tolist()), RopeTable(f.to(device))) for f in frequencies]
 
-    def key(self, tokens: Sequence[int]) -> str:
-        """The entry's name: a hash of (model fingerprint, method, encoding, token ids)."""
+    def key(self, chunk: Chunk) -> str:
+        """The entry's name: a hash of (model fingerprint, method, encoding, preamble and chunk token ids)."""
         hasher = hashlib.blake2b(self._salt, digest_size=20)
-        hasher.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
+        for ids in (chunk.preamble, chunk.tokens):  # each length-prefixed: no two splits of one id run collide
+            hasher.update(torch.tensor([len(ids), *ids], dtype=torch.int64).numpy().tobytes())
         return f"chunk{hasher.hexdigest()}"
 
     def get(self, chunk: Chunk) -> ChunkKV:
         """The chunk's KV: from memory, else the tiers (damaged entries dropped), else computed and stored."""
-        key = self.key(chunk.tokens)
+        key = self.key(chunk)
         held = self._memory.get(key)
         if held is not None:
             self._memory.move_to_end(key)
             self.stats.hits += 1
             return held
         self.stats.misses += 1
-        found = self._from_tiers(key, chunk.tokens)
+        found = self._from_tiers(key, chunk)
         if found is None:
-            found = self.compute(chunk.tokens)
+            found = self.compute(chunk)
             self.stats.stores += 1
             if self.tiers is not None:
                 keys, values = [k.clone() for k in found.keys], [v.clone() for v in found.values]
-                meta = {"tokens": list(chunk.tokens), "method": self.method}
+                meta = {"tokens": list(chunk.tokens), "preamble": list(chunk.preamble), "method": self.method}
                 self.tiers.put_later(key, lambda: encode_block(list(zip(keys, values)), self.fingerprint, ENCODING, meta))
         self._remember(key, found)
         return found
 
-    def _from_tiers(self, key: str, tokens: tuple[int, ...]) -> ChunkKV | None:
+    def _from_tiers(self, key: str, chunk: Chunk) -> ChunkKV | None:
         if self.tiers is None:
             return None
         entry = self.tiers.get(key)
@@ -147,28 +159,36 @@ class ChunkStore:
         device = next(self.model.parameters()).device
         try:
             layers, meta = decode_block(entry[0], self.fingerprint, device, source=f"chunk entry {key}")
-            if tuple(meta.get("tokens", ())) != tokens or meta.get("method") != self.method:
-                raise CacheFileError(f"chunk entry {key} holds other tokens or another method")
-            if len(layers) != self.info.num_layers or any(k.shape[-2] != len(tokens) for k, _ in layers):
+            held = (tuple(meta.get("tokens", ())), tuple(meta.get("preamble", ())), meta.get("method"))
+            if held != (chunk.tokens, chunk.preamble, self.method):
+                raise CacheFileError(f"chunk entry {key} holds other tokens, another preamble or another method")
+            if len(layers) != self.info.num_layers or any(k.shape[-2] != len(chunk.tokens) for k, _ in layers):
                 raise CacheFileError(f"chunk entry {key} holds the wrong number of layers or tokens")
         except CacheFileError:
             self.tiers.drop(key)
             self.stats.corrupt += 1
             return None
-        return ChunkKV(tokens, [k for k, _ in layers], [v for _, v in layers])
+        return ChunkKV(chunk.tokens, len(chunk.preamble), [k for k, _ in layers], [v for _, v in layers])
 
-    def compute(self, tokens: Sequence[int]) -> ChunkKV:
-        """The chunk's KV computed on its own at positions ``0..T-1`` (a lossless prefill)."""
-        if len(tokens) > (self.info.max_positions or len(tokens)):
-            raise ChunkError(f"a chunk of {len(tokens)} tokens exceeds the model's {self.info.max_positions} positions; "
-                             "split the document into smaller chunks")  # fmt: skip
+    def compute(self, chunk: Chunk) -> ChunkKV:
+        """The chunk's KV computed after its preamble (a lossless prefill continuing the preamble's stored KV)."""
+        total = len(chunk.preamble) + len(chunk.tokens)
+        if total > (self.info.max_positions or total):
+            raise ChunkError(f"a chunk of {len(chunk.tokens)} tokens after a preamble of {len(chunk.preamble)} exceeds "
+                             f"the model's {self.info.max_positions} positions; split the document into smaller chunks")  # fmt: skip
         cache = build_cache("full", self.model)
-        ids = torch.tensor([list(tokens)], device=next(self.model.parameters()).device)
+        if chunk.preamble:
+            preamble = self.get(Chunk(chunk.preamble))
+            for layer, keys, values in zip(cache.layers, preamble.keys, preamble.values):
+                layer.lazy_initialization(keys, values)
+                layer.store_tokens(keys, values, None)
+        ids = torch.tensor([list(chunk.tokens)], device=next(self.model.parameters()).device)
         with torch.no_grad():
             self.model(input_ids=ids, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
-        keys = [layer.store.keys.clone() for layer in cache.layers]
-        values = [layer.store.values.clone() for layer in cache.layers]
-        return ChunkKV(tuple(tokens), keys, values)
+        start = len(chunk.preamble)
+        keys = [layer.store.keys[:, :, start:].clone() for layer in cache.layers]
+        values = [layer.store.values[:, :, start:].clone() for layer in cache.layers]
+        return ChunkKV(chunk.tokens, start, keys, values)
 
     def _remember(self, key: str, chunk: ChunkKV) -> None:
         size = chunk.nbytes()
@@ -182,13 +202,14 @@ class ChunkStore:
             self.stats.evictions += 1
 
     def shifted_keys(self, chunk: ChunkKV, layer: int, start: int) -> torch.Tensor:
-        """Layer ``layer``'s keys of ``chunk`` moved to positions ``start..start+T-1`` (one RoPE rotation by ``start``)."""
+        """Layer ``layer``'s keys of ``chunk`` moved to positions ``start..start+T-1`` (one RoPE rotation by the
+        delta from where they were computed, backwards when the chunk moves earlier)."""
         keys = chunk.keys[layer]
-        if start == 0:
+        if start == chunk.start:
             return keys
         table = self.tables[layer]
-        delta = torch.full((1, 1, keys.shape[-2]), start, dtype=torch.long, device=keys.device)
-        return from_pairs(rotate(to_pairs(keys, table), delta, table), table).to(keys.dtype)
+        delta = torch.full((1, 1, keys.shape[-2]), abs(start - chunk.start), dtype=torch.long, device=keys.device)
+        return from_pairs(rotate(to_pairs(keys, table), delta, table, inverse=start < chunk.start), table).to(keys.dtype)
 
     def flush(self) -> None:
         """Wait for the tiers' pending writes (another store then finds this one's chunks)."""

@@ -33,9 +33,9 @@ class LLM:
     ``auto``: bf16 on a CPU with bf16 arithmetic, else fp32) is a model loaded by name's; the KV pool takes the
     model's dtype.
 
-    ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"chunks": [doc_a, doc_b], "prompt": question}``
-    (documents as text or token ids): each document's KV is computed once, kept by content (and in ``kv_tiers``), and
-    reused wherever it appears, blended by ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens
+    ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"preamble": system_text, "chunks": [doc_a,
+    doc_b], "prompt": question}`` (text or token ids; the preamble is optional): each document's KV is computed once
+    after the preamble, kept by content (and in ``kv_tiers``), and reused wherever it appears, blended by ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens
     recomputed, 0 = plain concatenation, 1 = full prefill; ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`;
     ``chunk_memory`` bounds the chunk KV kept in this process (least recently used first out).
     """
@@ -307,12 +307,16 @@ def _prompt_list(prompts: object) -> list[Prompt]:
 
 
 def _one_prompt(prompt: object, field: str) -> Prompt:
-    """A checked prompt; ``{"chunks": [...], "prompt": ...}`` becomes a :class:`ChunkedPrompt`."""
+    """A checked prompt; ``{"preamble": ..., "chunks": [...], "prompt": ...}`` becomes a :class:`ChunkedPrompt`."""
     if not isinstance(prompt, dict):
         return check_prompt(prompt, field)
-    if set(prompt) != {"chunks", "prompt"} or not isinstance(prompt["chunks"], (list, tuple)) or not prompt["chunks"]:
-        raise RequestSchemaError(f'{field}: a prompt with chunks is {{"chunks": [document, ...], "prompt": question}} '
-                                 f"with at least one document (got keys {sorted(prompt)})", field.split("[")[0])  # fmt: skip
+    keys = set(prompt)
+    if (not {"chunks", "prompt"} <= keys <= {"preamble", "chunks", "prompt"}
+            or not isinstance(prompt["chunks"], (list, tuple)) or not prompt["chunks"]):  # fmt: skip
+        raise RequestSchemaError(f'{field}: a prompt with chunks is {{"preamble": system_text (optional), "chunks": '
+                                 f'[document, ...], "prompt": question}} with at least one document (got keys '
+                                 f"{sorted(prompt)})", field.split("[")[0])  # fmt: skip
     chunks = tuple(check_prompt(chunk, f"{field}.chunks[{index}]") for index, chunk in enumerate(prompt["chunks"]))
     question = check_prompt(prompt["prompt"], f"{field}.prompt")
-    return ChunkedPrompt(tuple(chunk if isinstance(chunk, str) else tuple(chunk) for chunk in chunks), question)
+    preamble = check_prompt(prompt["preamble"], f"{field}.preamble") if "preamble" in prompt else ()
+    return ChunkedPrompt(tuple(chunk if isinstance(chunk, str) else tuple(chunk) for chunk in chunks), question, preamble)

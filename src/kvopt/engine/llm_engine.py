@@ -87,14 +87,16 @@ class Request:
 
 @dataclass(frozen=True)
 class ChunkedPrompt:
-    """A prompt whose ``chunks`` (retrieved documents: text or token ids) come first, their KV reused wherever they
-    appear (:mod:`kvopt.chunks`), then ``prompt`` (the question). Needs :meth:`LLMEngine.enable_chunk_caching`."""
+    """A prompt ``preamble + history + chunks + prompt``: ``chunks`` (retrieved documents: text or token ids) have
+    their KV reused wherever they appear (:mod:`kvopt.chunks`), ``prompt`` is the question. Needs chunk caching."""
 
     chunks: tuple[str | tuple[int, ...], ...]
     prompt: str | list[int]
-    #: Text before the chunks (a chat template's head, a system prompt): reused by content too, as the chunk opening
-    #: the prompt, whose stored KV is exact there (never recomputed).
-    prefix: str | list[int] = ()
+    #: Text opening the prompt (a system prompt, a chat template's head): reused by content too, and what each
+    #: document is computed after, so a document right after it is exact and the others saw what prompts start with.
+    preamble: str | list[int] = ()
+    #: Text between the preamble and the documents (earlier turns of a conversation), computed as new text.
+    history: str | list[int] = ()
 
 
 class BlendedKV(CacheBackedKV):
@@ -236,7 +238,8 @@ class LLMEngine:
                 self.offload.prefetch(seq)
 
     def _chunk_pieces(self, prompt: ChunkedPrompt, params: SamplingParams) -> tuple[list, str | None]:
-        """The request's pieces (a :class:`Chunk` per document, then the question's ids), or why it cannot be served."""
+        """The request's pieces (the preamble and each document as a :class:`Chunk`, the history and question as ids),
+        or why it cannot be served."""
         if self._chunk_settings is None:
             raise RequestError("chunks need an engine with chunk caching: kvopt.LLM(enable_chunk_caching=True) or "
                                "`kvopt serve --chunk-caching`")  # fmt: skip
@@ -245,12 +248,13 @@ class LLMEngine:
         try:
             if spec not in self._chunk_stores:
                 self._chunk_stores[spec] = ChunkStore(self.model, spec, tiers, self._chunk_memory)
-            prefix = self._piece_ids(prompt.prefix)
-            pieces = [Chunk(tuple(piece)) for piece in ([prefix] if prefix else []) +
-                      [self._piece_ids(document) for document in prompt.chunks]]  # fmt: skip
+            preamble = tuple(self._tokenize(prompt.preamble)[1])  # opens the prompt: special tokens as a prompt's
+            history = self._piece_ids(prompt.history)
+            documents = [Chunk(tuple(self._piece_ids(document)), preamble) for document in prompt.chunks]
+            opening = [Chunk(preamble)] if preamble else []
         except ChunkError as error:
             return [], str(error)
-        return [*pieces, self._piece_ids(prompt.prompt)], None
+        return [*opening, *([history] if history else []), *documents, self._piece_ids(prompt.prompt)], None
 
     def _piece_ids(self, piece: str | list[int] | tuple[int, ...]) -> list[int]:
         """A chunked prompt's piece as ids: text without special tokens (pieces are joined as they are)."""

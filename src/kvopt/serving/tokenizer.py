@@ -15,6 +15,8 @@ from kvopt.serving.errors import APIError
 
 #: Where the documents go in a rendered conversation (replaced, never sent to the model).
 DOCUMENTS_MARK = "\uE000kvopt-documents\uE000"
+#: Where the conversation's first user message starts: the text before it is the preamble documents are computed after.
+PREAMBLE_MARK = "\uE000kvopt-preamble\uE000"
 
 
 class AsyncTokenizer:
@@ -34,19 +36,24 @@ class AsyncTokenizer:
 
     async def encode_chat_documents(self, messages: list[dict[str, str]], documents: list[str]) -> tuple[ChunkedPrompt, int]:
         """The conversation with ``documents`` at the start of the last user message's text, each tokenized on its own
-        (a chunk reused by content, :mod:`kvopt.chunks`); and the prompt's token count."""
+        (a chunk reused by content, :mod:`kvopt.chunks`); and the prompt's token count.
+
+        The preamble the documents are computed after is the text before the first user message (the template's
+        head, the system prompt): the same on every turn of a conversation, so later turns reuse the documents."""
         users = [index for index, message in enumerate(messages) if message["role"] == "user"]
         if not users:
             raise APIError(400, "documents go before the last user message; the messages have none", param="documents")
-        last = users[-1]
-        marked = [*messages[:last], {**messages[last], "content": DOCUMENTS_MARK + messages[last]["content"]},
-                  *messages[last + 1 :]]  # fmt: skip
+        marks = {users[0]: PREAMBLE_MARK} | {users[-1]: PREAMBLE_MARK * (users[0] == users[-1]) + DOCUMENTS_MARK}
+        marked = [{**message, "content": marks[index] + message["content"]} if index in marks else message
+                  for index, message in enumerate(messages)]  # fmt: skip
         rendered = await self._run(self._render, marked)
-        head, _, tail = rendered.partition(DOCUMENTS_MARK)
+        head, _, rest = rendered.partition(PREAMBLE_MARK)
+        history, _, tail = rest.partition(DOCUMENTS_MARK)
         chunks = [await self.encode(f"{document}\n\n", add_special_tokens=False) for document in documents]
-        prefix, question = await self.encode(head, False), await self.encode(tail, False)
-        count = len(prefix) + sum(map(len, chunks)) + len(question)
-        return ChunkedPrompt(tuple(tuple(chunk) for chunk in chunks), question, prefix), count
+        preamble, question = await self.encode(head, False), await self.encode(tail, False)
+        history_ids = await self.encode(history, False) if history else []
+        count = len(preamble) + len(history_ids) + sum(map(len, chunks)) + len(question)
+        return ChunkedPrompt(tuple(tuple(chunk) for chunk in chunks), question, preamble, history_ids), count
 
     async def token_strings(self, token_ids: list[int]) -> dict[int, str]:
         """The text of each token on its own (for log-probabilities)."""
