@@ -196,6 +196,16 @@ def test_blending_equals_the_token_by_token_reference(model, reference, strategy
     assert recomputed == expected
 
 
+def test_the_check_layer_is_where_the_tokens_are_chosen(model, reference):
+    pieces = rag_prompt("preamble")
+    blended = blend(model, pieces, ChunkStore(model), blend_ratio=0.5, check_layer=0)
+    keys, values, recomputed = slow_blend(reference, pieces, 0.5, "cacheblend", check=0)
+    for layer, (k, v) in zip(blended.cache.layers, zip(keys, values)):
+        torch.testing.assert_close(layer.store.keys, k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.store.values, v, atol=1e-5, rtol=0)
+    assert blended.recomputed == recomputed == 8
+
+
 def test_a_document_right_after_its_preamble_is_reused_exactly(model, reference):
     head, document, question = tuple(tokens(12, 13)), tuple(tokens(25, 14)), tokens(6, 15)
     store = ChunkStore(model)
@@ -281,6 +291,7 @@ def test_bad_input_gets_one_line(model):
         "cannot serve fastkv": lambda: ChunkStore(model, method="fastkv:ratio=0.5"),
         "cannot serve surprisal": lambda: ChunkStore(model, method="surprisal:ratio=0.5"),
         "unknown blend strategy": lambda: blend(model, rag_prompt(), store, strategy="lego"),
+        "check_layer=2 leaves no later layer": lambda: blend(model, rag_prompt(), store, check_layer=2),
         "end the prompt with new text": lambda: blend(model, [tokens(3, 1), Chunk(tuple(tokens(9, 3)))],
                                                       ChunkStore(model, method="kivi:bits=4")),
     }  # fmt: skip
@@ -426,6 +437,8 @@ def test_engine_chunk_requests_refuse_bad_input_alone(tiny_with_tokenizer):
         chunk_llm(tiny_with_tokenizer, blend_ratio=2.0)
     with pytest.raises(EngineConfigError, match="chunk_memory"):
         chunk_llm(tiny_with_tokenizer, chunk_memory="lots")
+    with pytest.raises(EngineConfigError, match=r"check_layer=1 .* choose 0\.\.0"):
+        chunk_llm(tiny_with_tokenizer, blend_check_layer=1)
     with pytest.raises(kvopt.engine.llm_engine.RequestError, match="enable_chunk_caching"):
         chunk_llm(tiny_with_tokenizer, enable_chunk_caching=False).generate([{"chunks": [DOCS[0]], "prompt": "x"}])
 

@@ -122,12 +122,9 @@ def blend(
     strategy: str = "cacheblend", epic_tokens: int = 16, check_layer: int | None = None,
 ) -> Blended:  # fmt: skip
     """``pieces`` (new text as token ids, reused :class:`Chunk` s) as a cache for ``store.method``, see the module."""
-    check_settings(blend_ratio, strategy, epic_tokens)
     layers = store.info.num_layers
+    check_settings(blend_ratio, strategy, epic_tokens, check_layer, layers)
     check = min(1, layers - 2) if check_layer is None else check_layer
-    if not 0 <= check <= layers - 2:
-        raise ChunkError(f"check_layer={check_layer} leaves no later layer to recompute selectively (the model has "
-                         f"{layers} layers); choose 0..{layers - 2}")  # fmt: skip
     ids, fresh, placed = _layout(pieces)
     limit = store.info.max_positions
     if limit is not None and len(ids) > limit:
@@ -156,8 +153,9 @@ def blend(
     return Blended(target, torch.tensor([ids], device=device), chunk_tokens, recomputed)
 
 
-def check_settings(blend_ratio: float, strategy: str, epic_tokens: int = 16) -> None:
-    """One :class:`ChunkError` line for a blend setting out of range."""
+def check_settings(blend_ratio: float, strategy: str, epic_tokens: int = 16, check_layer: int | None = None,
+                   layers: int | None = None) -> None:  # fmt: skip
+    """One :class:`ChunkError` line for a blend setting out of range (``check_layer`` against a model's ``layers``)."""
     if strategy not in STRATEGIES:
         raise ChunkError(f"unknown blend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if not 0.0 <= blend_ratio <= 1.0:
@@ -165,6 +163,9 @@ def check_settings(blend_ratio: float, strategy: str, epic_tokens: int = 16) -> 
                          "(0 = plain concatenation, 1 = full prefill), e.g. 0.15")  # fmt: skip
     if epic_tokens < 0:
         raise ChunkError(f"epic_tokens={epic_tokens} must be >= 0 (tokens recomputed at each chunk's start), e.g. 16")
+    if check_layer is not None and layers is not None and not 0 <= check_layer <= layers - 2:
+        raise ChunkError(f"check_layer={check_layer} leaves no later layer to recompute selectively (the model has "
+                         f"{layers} layers); choose 0..{layers - 2}")  # fmt: skip
 
 
 def _layout(pieces: Sequence[Chunk | Sequence[int]]) -> tuple[list[int], torch.Tensor, list[tuple[int, Chunk]]]:

@@ -35,16 +35,18 @@ class LLM:
 
     ``enable_chunk_caching=True`` serves retrieval-augmented prompts ``{"preamble": system_text, "chunks": [doc_a,
     doc_b], "prompt": question}`` (text or token ids; the preamble is optional): each document's KV is computed once
-    after the preamble, kept by content (and in ``kv_tiers``), and reused wherever it appears, blended by ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens
-    recomputed, 0 = plain concatenation, 1 = full prefill; ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`;
-    ``chunk_memory`` bounds the chunk KV kept in this process (least recently used first out).
+    after the preamble, kept by content (and in ``kv_tiers``), and reused wherever it appears, blended by
+    ``blend_strategy`` (``cacheblend``: ``blend_ratio`` of the chunk tokens recomputed, 0 = plain concatenation, 1 =
+    full prefill, chosen at layer ``blend_check_layer`` (default 1; a deeper layer chooses better and computes every
+    token up to it); ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`; ``chunk_memory`` bounds the chunk
+    KV kept in this process (least recently used first out).
     """
 
     def __init__(
         self, model=None, kv_method: str = "full", block_size: int = 16, kv_memory: str | int | float = "1GB",
         enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, enable_chunk_caching: bool = False,
         blend_ratio: float = 0.15, blend_strategy: str = "cacheblend", chunk_memory: str | int | float = "256MB",
-        **engine_options,
+        blend_check_layer: int | None = None, **engine_options,
     ) -> None:  # fmt: skip
         config = EngineConfig(kv_method, block_size, kv_memory, enable_prefix_caching, **engine_options)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
@@ -57,7 +59,7 @@ class LLM:
         _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
         if enable_chunk_caching:
-            self.engine.enable_chunk_caching(blend_ratio, blend_strategy, memory=chunk_memory)
+            self.engine.enable_chunk_caching(blend_ratio, blend_strategy, memory=chunk_memory, check_layer=blend_check_layer)
         self._ids = itertools.count()
         #: One caller at a time drives the engine (which is not thread-safe): add, step, abort, snapshots.
         self._lock = threading.RLock()

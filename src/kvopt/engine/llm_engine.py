@@ -167,15 +167,16 @@ class LLMEngine:
         self._chunk_stores: dict[str, ChunkStore] = {}
 
     def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
-                             memory: str | int | float = "256MB") -> None:  # fmt: skip
+                             memory: str | int | float = "256MB", check_layer: int | None = None) -> None:  # fmt: skip
         """Serve :class:`ChunkedPrompt` requests: chunk KV kept by content, up to ``memory`` bytes in this process per
-        KV method (least recently used first out; more in the KV tiers), and blended."""
+        KV method (least recently used first out; more in the KV tiers), and blended (:func:`kvopt.chunks.blend`)."""
         try:
-            check_settings(blend_ratio, strategy, epic_tokens)
+            check_settings(blend_ratio, strategy, epic_tokens, check_layer, self.info.num_layers)
         except ChunkError as error:
             raise EngineConfigError(str(error)) from None
         self._chunk_memory = parse_memory(memory, next(self.model.parameters()).device, "chunk_memory")
-        self._chunk_settings = {"blend_ratio": blend_ratio, "strategy": strategy, "epic_tokens": epic_tokens}
+        self._chunk_settings = {"blend_ratio": blend_ratio, "strategy": strategy, "epic_tokens": epic_tokens,
+                                "check_layer": check_layer}  # fmt: skip
 
     def _drafting(self, device: torch.device) -> Drafting | None:
         """Speculative decoding as configured (None without ``speculate``); on a CPU, by default only while at most
