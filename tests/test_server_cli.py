@@ -37,6 +37,10 @@ def run(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
         (["--threads", "0"], "--threads"),
         (["--device", "cuda:99"], "device 'cuda:99' is not on this machine"),
         (["--speculate", "self:layers=2"], "the engine drafts with prompt_lookup"),
+        (["--chunk-caching", "--blend-ratio", "1.5"], "blend_ratio=1.5 is outside [0, 1]"),
+        (["--chunk-caching", "--blend-strategy", "lego"], "unknown blend strategy 'lego'"),
+        (["--chunk-caching", "--blend-check-layer", "-1"], "--blend-check-layer"),
+        (["--blend-ratio", "0.3"], "add --chunk-caching"),
     ],
 )
 def test_bad_settings_fail_before_listening(args, fragment, monkeypatch, capsys):

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvopt.cli.options import DeviceOption, DtypeOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
+from kvopt.errors import KVOptError
 
 
 def serve(
@@ -45,6 +46,13 @@ def serve(
                                                 "\"documents\" a chat request names wherever they appear (CacheBlend)")] = False,
     chunk_memory: Annotated[str, typer.Option(help="with --chunk-caching: the documents' KV kept in memory "
                                               "(least recently used first out; more in --kv-tier)")] = "256MB",
+    blend_ratio: Annotated[float, typer.Option(help="with --chunk-caching: the share of the documents' tokens "
+                                               "recomputed (0 = plain concatenation, 1 = full prefill)")] = 0.15,
+    blend_strategy: Annotated[str, typer.Option(help="with --chunk-caching: cacheblend (recompute the tokens that "
+                                                "deviate most) or epic (each document's first tokens)")] = "cacheblend",
+    blend_check_layer: Annotated[Optional[int], typer.Option(min=0, help="with --chunk-caching: the layer where "
+                                                             "CacheBlend chooses its tokens; deeper chooses better and "
+                                                             "computes every token up to it; default 1")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="engine replicas on Ray Serve behind a KV-aware router "
                                                     "(pip install kvopt[cluster]); each takes --threads CPUs (default 1)")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="join a running Ray cluster: auto, or the head's HOST:PORT; "
@@ -55,6 +63,7 @@ def serve(
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health and /metrics over HTTP."""
     import torch
 
+    from kvopt.chunks.blend import check_settings
     from kvopt.engine import EngineConfig
     from kvopt.engine.config import parse_memory
     from kvopt.engine.offload import tier_spec
@@ -70,6 +79,10 @@ def serve(
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
                  max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch)
     parse_memory(chunk_memory, torch.device("cpu"), "chunk_memory")
+    check_settings(blend_ratio, blend_strategy, check_layer=blend_check_layer)  # the model's depth is checked at load
+    if not chunk_caching and (blend_ratio, blend_strategy, blend_check_layer) != (0.15, "cacheblend", None):
+        raise KVOptError("--blend-ratio, --blend-strategy and --blend-check-layer set how documents are reused: "
+                         "add --chunk-caching")  # fmt: skip
     tiers = tuple(kv_tier or ())
     for spec in tiers:  # a malformed tier fails before the port is taken (it is opened with the engine)
         tier_spec(spec)
@@ -78,7 +91,8 @@ def serve(
                        device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
                        speculate=speculate, speculate_max_batch=speculate_max_batch,
-                       enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory)  # fmt: skip
+                       enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory, blend_ratio=blend_ratio,
+                       blend_strategy=blend_strategy, blend_check_layer=blend_check_layer)  # fmt: skip
 
     def load():
         from kvopt.engine import LLM
