@@ -55,7 +55,7 @@ def test_the_section_reads_speed_and_paired_answers():
     earlier = rows("blend:0", [0, 0, 0, 1, 1], 0.5, alone=True)  # the earlier design's rows, reported beside
     warm = [{"model": "m", "kind": "warm", "contender": "cacheblend:0.15", "length": 4096, "seconds": 12.5,
              **blend.chunks_after("cacheblend:0.15")}]  # fmt: skip
-    text = blend.render(full + fast + loose + earlier + warm)
+    text = blend.render(full + fast + loose + earlier + warm, check_rows=[])
     assert "### m, 8 passages (~4,000-token prompts)" in text
     assert "| cacheblend:0.15 | 10 | 1.00 s | 4.00x | 100% [57–100] | 100% [51–100] of 4 |" in text
     assert "| blend:0 | 5 | 0.50 s | 8.00x | 60% [23–88] | 50% [15–85] of 4 |" in text
@@ -63,3 +63,14 @@ def test_the_section_reads_speed_and_paired_answers():
     assert text.index("| blend:0 |") < text.index("| blend:0 (alone) |")
     assert "12.5 s |" in text
     assert "4.00x lower TTFT than full prefill, keeping 100% [61–100] of 6 (accuracy 80% vs full's 60%)" in text and "holds at this length" in text
+
+
+def test_the_check_layer_run_is_its_own_table_against_its_own_full():
+    main = rows("full", [1, 1, 1, 1, 0], 4.0) + rows("cacheblend:0.15", [1, 1, 1, 0, 0], 1.0)
+    check = rows("full", [1, 1, 1, 1, 0], 6.0) + rows("cacheblend:0.15@4", [1, 1, 1, 1, 1], 2.0)
+    text = blend.render(main, check_rows=check)
+    mine = text[text.index("### CacheBlend choosing its tokens at a deeper layer") :]
+    assert "#### m, 8 passages" in mine and "cacheblend:0.15 |" not in mine
+    assert "| cacheblend:0.15@4 | 5 | 2.00 s | 3.00x | 100% [57–100] | 100% [51–100] of 4 |" in mine  # its own full
+    assert "cacheblend:0.15@4 here: 3.00x lower TTFT than full prefill, keeping 100% [51–100] of 4" in mine
+    assert "holds at this length" in mine
