@@ -9,7 +9,7 @@ plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.json
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
 load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
-(benchmarks/twobit.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
+(benchmarks/twobit.py; where it loses a prose needle: benchmarks/twobit_layers.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
 against this CPU's limits (benchmarks/decode_profile.py), routers across engine replicas on a local Ray cluster
 (benchmarks/cluster.py, where Ray is installed), retrieved documents reused at any position (benchmarks/blend.py),
 then the report with plots into benchmarks/report/. The timed targets on a GPU
@@ -47,6 +47,7 @@ import speculative
 import tiers
 import torch
 import twobit
+import twobit_layers
 import transformers
 from sections import opening, row_dates
 
@@ -260,6 +261,8 @@ def main() -> None:
     if "twobit" in steps:  # 2-bit KV: retrieval, perplexity, bytes and decode speed (benchmarks/results/twobit.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit.py"), *(["--model", args.model] if second else [])],
                        check=True)  # fmt: skip
+        if not second:  # where 2-bit loses a prose needle (benchmarks/results/twobit_layers.jsonl)
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "twobit_layers.py")], check=True)
     if "llamacpp" in steps:  # llama.cpp alone and batched, kvopt.LLM beside it (benchmarks/results/llamacpp/rows.jsonl)
         if importlib.util.find_spec("llama_cpp") is None:
             print("llamacpp step skipped: llama-cpp-python is not installed (see the llamacpp extra in pyproject.toml)")
@@ -538,7 +541,8 @@ def composed(args, plots: Path, previous: str) -> str:
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
-             *committed_section(frontier), *committed_section(twobit), *committed_section(llamacpp),
+             *committed_section(frontier), *committed_section(twobit), *committed_section(twobit_layers),
+             *committed_section(llamacpp),
              *committed_section(decode_profile), *committed_section(cluster), *committed_section(blend),
              *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
