@@ -22,7 +22,7 @@ is tokenized on its own (ending in its blank line), and the question closes the 
 - ``cacheblend:0.15@L``: CacheBlend 15% choosing its tokens at layer ``L`` (``blend_check_layer``) instead of layer 1;
   layers before ``L`` run on the whole prompt, so a deeper check costs more and chooses better.
 
-The check-layer contenders ran apart, beside a ``full`` of their own (``--lengths 4096 --contenders
+The check-layer contenders ran apart, beside a ``full`` of their own (``--lengths 4096,2048 --contenders
 full,cacheblend:0.15@4,cacheblend:0.15@8 --out benchmarks/results/blend_check.jsonl``); the section reports them
 in tables of their own.
 
@@ -227,7 +227,7 @@ def render(rows: list[dict], check_rows: list[dict] | None = None) -> str:
     lines += _tables(rows)
     if check_rows:
         lines += ["", "### CacheBlend choosing its tokens at a deeper layer", "",
-                  opening([f"python benchmarks/blend.py --lengths 4096 --contenders {','.join(CHECK_CONTENDERS)} --out "
+                  opening([f"python benchmarks/blend.py --lengths 4096,2048 --contenders {','.join(CHECK_CONTENDERS)} --out "
                            f"{where(CHECK_ROWS)}"], row_dates(CHECK_ROWS), CHECK_ROWS), "",
                   "`cacheblend:0.15@L` chooses its 15% at layer L instead of 1; the layers before L run on the whole "
                   "prompt. `full` ran again in the same process, so each speed-up is within this run.", ""]  # fmt: skip

@@ -56,6 +56,13 @@ def variant_cache(variant: str, model):
     return cache
 
 
+def describe(label: str) -> str:
+    """A variant as the report names it: ``SPEC|OTHER@LAYERS`` -> ``SPEC, layers LAYERS as OTHER`` (a table cell)."""
+    spec, _, override = label.partition("|")
+    other, _, layers = override.partition("@")
+    return f"{spec}, layers {layers} as {other}" if override else spec
+
+
 def group_variants(spec: str, layers: int, group: int) -> dict[str, str]:
     """``spec`` in one group of layers at a time, the others at full precision: variant -> how the report names it."""
     variants = {}
@@ -151,7 +158,8 @@ def render(rows: list[dict]) -> str:
              "answer then run through the cache (teacher forcing). Drop: the answer's log-probability minus a full "
              "cache's, in nats, mean over prompts (0 = no harm). Kept: of the prompts where a full cache decodes the "
              "answer token for token, the share the variant also does, with its 95% Wilson interval. "
-             "`SPEC|OTHER@LAYERS`: those layers hold `OTHER` (`full`: full precision).", ""]  # fmt: skip
+             "\"Layers L as OTHER\": those layers hold OTHER's methods; \"in layers L only\": the others hold full "
+             "precision.", ""]  # fmt: skip
     for model in dict.fromkeys(row["model"] for row in rows):
         mine = [row for row in rows if row["model"] == model]
         reference = [row | {"score": row["full_score"]} for row in mine]
@@ -163,7 +171,7 @@ def render(rows: list[dict]) -> str:
             ran = [row for row in mine if row["variant"] == variant]
             kept = retention(ran, [row for row in reference if row["variant"] == variant])
             drop = statistics.mean(row["logprob_drop"] for row in ran)
-            lines.append(f"| `{ran[0]['label']}` | {len(ran)} | {drop:.2f} | {kept.cell() if kept else '–'} |")
+            lines.append(f"| {describe(ran[0]['label'])} | {len(ran)} | {drop:.2f} | {kept.cell() if kept else '–'} |")
         lines.append("")
     return "\n".join([*lines, *conditions_line(rows), ""])
 
