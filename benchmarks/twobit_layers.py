@@ -30,7 +30,7 @@ ROWS = Path(__file__).parent / "results" / "twobit_layers.jsonl"
 TASKS = ("prose_needle", "prose_multikey")
 SPECS = ("kivi:bits=2", "kvquant:bits=2")
 REMEDIES = ("kvquant:bits=2,outliers=0.05", "kvquant:bits=2|kvquant:bits=4@10-19", "kivi:bits=2|kivi:bits=4@10-19",
-            "kvquant:bits=3")  # fmt: skip
+            "minikv", "minikv:sensitive=0.33", "kvquant:bits=3")  # fmt: skip
 
 
 def layer_set(text: str) -> set[int]:
@@ -131,7 +131,8 @@ def main() -> None:
     for length in map(int, args.lengths.split(",")):
         for task in args.tasks.split(","):
             for depth in depths:
-                if all((task, length, depth, variant) in done for variant in variants):
+                todo = [variant for variant in variants if (task, length, depth, variant) not in done]
+                if not todo:
                     continue
                 sample = build_sample(task, tokenizer, length, depth=depth)
                 context, question = format_prompt(tokenizer, sample)
@@ -139,7 +140,7 @@ def main() -> None:
                 shared = shared_prefill(model, context)
                 reference, reference_greedy = answer_logprob(model, shared, "full", question, answer)
                 with args.out.open("a") as sink:
-                    for variant in variants:
+                    for variant in todo:
                         logprob, greedy = answer_logprob(model, shared, variant, question, answer)
                         row = {"task": task, "length": length, "depth": depth, "sample": 0, "seed": 0,
                                "variant": variant, "label": labels[variant], "logprob_drop": round(logprob - reference, 4), "score": int(greedy),
@@ -160,11 +161,12 @@ def render(rows: list[dict]) -> str:
              "answer token for token, the share the variant also does, with its 95% Wilson interval. "
              "\"Layers L as OTHER\": those layers hold OTHER's methods; \"in layers L only\": the others hold full "
              "precision.", ""]  # fmt: skip
-    for model in dict.fromkeys(row["model"] for row in rows):
-        mine = [row for row in rows if row["model"] == model]
+    for model, length in dict.fromkeys((row["model"], row["length"]) for row in rows):
+        mine = [row for row in rows if row["model"] == model and row["length"] == length]
         reference = [row | {"score": row["full_score"]} for row in mine]
-        prompts = len({(row["task"], row["length"], row["depth"]) for row in mine})
-        lines += [f"### {model} ({prompts} prompts: {', '.join(dict.fromkeys(row['task'] for row in mine))})", "",
+        prompts = len({(row["task"], row["depth"]) for row in mine})
+        tasks = ", ".join(dict.fromkeys(row["task"] for row in mine))
+        lines += [f"### {model}, {length:,}-token prompts ({prompts}: {tasks})", "",
                   "| variant | prompts | answer log-prob drop (nats) | kept of full's answers |",
                   "|---|---:|---:|---|"]  # fmt: skip
         for variant in dict.fromkeys(row["variant"] for row in mine):

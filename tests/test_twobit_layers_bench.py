@@ -50,7 +50,7 @@ def test_the_section_pairs_each_variant_with_full():
             row("kvquant:bits=3", 0.0, 1, 1, -0.5), row("kvquant:bits=3", 0.5, 1, 0, 0.0),
             row("kivi:bits=2|kivi:bits=4@10-19", 0.0, 1, 1, -0.1)]
     text = twobit_layers.render(rows)
-    assert "### m (2 prompts: prose_needle)" in text
+    assert "### m, 2,048-token prompts (2: prose_needle)" in text
     assert "| kivi:bits=2 | 2 | -2.00 | 0% [0–79] of 1 |" in text  # paired: never credit for full's misses
     assert "| kvquant:bits=3 | 2 | -0.25 | 100% [21–100] of 1 |" in text
     assert "| kivi:bits=2, layers 10-19 as kivi:bits=4 | 1 | -0.10 | 100% [21–100] of 1 |" in text  # no bare "|"
