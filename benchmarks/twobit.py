@@ -39,7 +39,7 @@ ROWS = RESULTS / "twobit.jsonl"
 #: models" reads to judge the 2-bit claim only once every planned cell has its prompts.
 GRID, PLAN = RESULTS / "twobit", "plan.json"
 TASKS = ["passkey", "niah", "niah_multivalue", "prose_needle", "prose_multikey"]
-METHODS = ["full", "kivi:bits=2", "kvquant:bits=2", "kvquant:bits=3", "aquakv:bits=2", "hf-quanto:bits=2"]
+METHODS = ["full", "kivi:bits=2", "kvquant:bits=2", "kvquant:bits=3", "aquakv:bits=2", "hf-quanto:bits=2", "minikv"]
 #: The recipes the 2-bit claim is about (kvquant:bits=3 is the fallback the issue names, not one of them).
 TWO_BIT = ["kivi:bits=2", "kvquant:bits=2", "aquakv:bits=2", "hf-quanto:bits=2"]
 #: Decode speed is compared between the 2-bit methods (the issue's bar: no slower than 0.8x kivi's).

@@ -11,7 +11,8 @@ Layers, bottom first; a part imports parts of lower layers only (not its own lay
     guards, memory                 checks and byte estimates of a spec on a model
     api                            models and caches ready for use (load_model, build_cache)
     codec, runtime                 saving caches (rebuilt from their spec through the api); budgeted generation
-    chunks                         chunk KV reused at any position (stored through the codec), blending
+    chunks, episodes               chunk KV reused at any position (stored through the codec), blending; a
+                                   conversation's episode caches (saved through the codec)
     speculative                    drafting and verifying on api caches
     engine                         the paged serving engine
     serving, eval                  the HTTP server; the evaluation grid
@@ -41,7 +42,7 @@ LAYERS = [
     ("guards", "memory"),
     ("api",),
     ("codec", "runtime"),
-    ("chunks",),
+    ("chunks", "episodes"),
     ("speculative",),
     ("engine",),
     ("serving", "eval"),

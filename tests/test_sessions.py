@@ -69,3 +69,22 @@ def test_chat_refuses_another_method_for_a_stored_session(model_folder, tmp_path
     assert run.returncode == 2
     assert "session 'kept' runs 'full'; omit --method or start a new session" in run.stderr
     assert chat(model_folder, tmp_path, "kept", ["Hello again"], "--method", "full").returncode == 0  # its own method
+
+
+EPISODE_TURN = re.compile(r"(\d+) tokens reused \(episode (\d) of (\d)\), (\d+) prompt tokens computed")
+
+
+def test_an_epicache_chat_answers_from_episodes_and_resumes_them(model_folder, tmp_path):
+    spec = "epicache:ratio=0.5,episodes=2,utterances=1,block=48"
+    turns = [f"Tell me about the {topic} number {i}." for i in range(3) for topic in ("river", "hill")]
+    first = chat(model_folder, tmp_path, "episodic", turns[:4], "--method", spec)
+    assert first.returncode == 0, first.stderr
+    built = [int(n) for n in re.findall(r"\[2 episodes built over (\d+) tokens\]", first.stderr)]
+    answered = [[int(n) for n in found] for found in EPISODE_TURN.findall(first.stderr)]
+    assert built and answered
+    assert answered[-1][0] == built[-1]  # a turn reuses its episode's history, computing only the turns after it
+    second = chat(model_folder, tmp_path, "episodic", turns[4:])
+    assert second.returncode == 0, second.stderr
+    assert f"{spec}, from" in second.stderr and EPISODE_TURN.search(second.stderr)
+    refused = chat(model_folder, tmp_path, "episodic", turns[:1], "--method", "full")
+    assert refused.returncode != 0 and f"runs {spec!r}" in refused.stderr

@@ -9,6 +9,10 @@ chat loads that cache and computes only the new turn's tokens, never the stored 
 The conversation is the exact token sequence the model has seen: a new turn appends the chat
 template's rendering of the user message (the difference between the template applied to the
 conversation with and without it) to the stored tokens, so nothing stored is re-tokenized.
+
+With ``--method epicache:...`` the session keeps the conversation's episodes instead of one cache
+(:mod:`kvopt.episodes`): each question is answered from its own episode's compressed cache, and the
+turns since the history was last clustered are computed again on top of it (at most one block).
 """
 
 from __future__ import annotations
@@ -65,9 +69,8 @@ def chat(
     import torch
     from transformers import TextStreamer
 
-    from kvopt.api import build_cache, load_model
-    from kvopt.codec import ENCODINGS, read_cache, save_cache
-    from kvopt.methods import parse
+    from kvopt.api import load_model
+    from kvopt.codec import ENCODINGS, container
 
     if not NAME.fullmatch(session):
         raise KVOptError(f"--session {session!r}: use letters, digits, '.', '_' or '-' (a file name)")
@@ -76,37 +79,106 @@ def chat(
     path = sessions_dir(sessions) / f"{session}.kvc"
     model, tokenizer = load_model(model, dtype=dtype, device=device)
     if path.exists():
-        cache, meta = read_cache(path, model)
-        if not {"tokens", "messages"} <= set(meta):
-            raise KVOptError(f"{path} is a saved cache, not a chat session (no conversation in it); give --session "
-                             "another name, or move that file away")  # fmt: skip
-        if method is not None and "+".join(m.spec() for m in parse(method)) != cache.spec:
-            raise KVOptError(f"session {session!r} runs {cache.spec!r}; omit --method or start a new session")
+        state, meta = resume(path, model, method)
         tokens, messages = meta["tokens"], meta["messages"]
-        _note(f"[session {session}: resumed {len(tokens)} tokens, {cache.spec}, from {path}]")
+        _note(f"[session {session}: resumed {len(tokens)} tokens, {state.spec}, from {path}]")
     else:
-        cache, tokens, messages = build_cache(method or "full", model), [], []
+        state, tokens, messages = new_state(method or "full", model, encoding), [], []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for line in sys.stdin:
         text = line.rstrip("\n")
         if not text.strip():
             continue
-        ids = torch.tensor([tokens + turn_tokens(tokenizer, messages, text)], device=model.device)
-        cached = cache.get_seq_length()
+        ids = tokens + turn_tokens(tokenizer, messages, text)
         with torch.inference_mode():
-            cache.run_prompt_pass(model, ids, tokenizer)  # kvzip compresses the first prompt
+            cache, where = state.turn_cache(model, tokenizer, tokens, ids)
+            cached = cache.get_seq_length()
+            prompt = torch.tensor([ids], device=model.device)
             output = model.generate(
-                ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
+                prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=pad, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
             )  # fmt: skip
-        answer = output[0, ids.shape[-1] :]
+        answer = output[0, len(ids) :]
         tokens = output[0].tolist()
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
-        save_cache(cache, path, encoding, model, meta={"tokens": tokens, "messages": messages})
+        container.write_atomic(path, state.file_bytes(model, {"tokens": tokens, "messages": messages}))
         _note(
-            f"[session {session}: {cached} tokens reused, {ids.shape[-1] - cached} prompt tokens computed, "
+            f"[session {session}: {cached} tokens reused{where}, {len(ids) - cached} prompt tokens computed, "
             f"{answer.numel()} generated; saved {path.stat().st_size:,} bytes]"
         )
+
+
+class OneCache:
+    """A conversation held in one cache that grows turn by turn (every method but epicache)."""
+
+    def __init__(self, cache, encoding: str) -> None:
+        self.cache, self.encoding, self.spec = cache, encoding, cache.spec
+
+    def turn_cache(self, model, tokenizer, tokens: list[int], ids: list[int]):
+        """The cache to feed the turn's prompt ``ids`` to, and a note on where its reused tokens come from."""
+        import torch
+
+        self.cache.run_prompt_pass(model, torch.tensor([ids], device=model.device), tokenizer)  # kvzip: the first prompt
+        return self.cache, ""
+
+    def file_bytes(self, model, meta: dict) -> bytes:
+        from kvopt.codec.session import cache_bytes
+
+        return cache_bytes(self.cache, model, self.encoding, meta)
+
+
+class Episodes:
+    """A conversation kept as epicache's episodes, each question answered from its own (:mod:`kvopt.episodes`)."""
+
+    def __init__(self, conversation) -> None:
+        self.conversation, self.spec = conversation, conversation.spec
+
+    def turn_cache(self, model, tokenizer, tokens: list[int], ids: list[int]):
+        if tokens and self.conversation.needs_consolidation(len(tokens)):
+            self.conversation.consolidate(model, tokenizer, tokens)
+            _note(f"[{len(self.conversation.episodes)} episodes built over {len(tokens)} tokens]")
+        cache, episode = self.conversation.cache_for(model, tokenizer, ids)
+        return cache, "" if episode is None else f" (episode {episode + 1} of {len(self.conversation.episodes)})"
+
+    def file_bytes(self, model, meta: dict) -> bytes:
+        return self.conversation.to_bytes(model, meta)
+
+
+def new_state(spec: str, model, encoding: str) -> OneCache | Episodes:
+    from kvopt.api import build_cache
+    from kvopt.episodes import EpisodicConversation, is_episodic
+
+    if is_episodic(spec):
+        return Episodes(EpisodicConversation(spec, encoding=encoding))
+    return OneCache(build_cache(spec, model), encoding)
+
+
+def resume(path: Path, model, method: str | None) -> tuple[OneCache | Episodes, dict]:
+    """The saved conversation at ``path`` and its meta (tokens, messages); a file that holds none is refused."""
+    from kvopt.codec import container
+    from kvopt.codec.errors import CacheFileError
+    from kvopt.codec.session import KIND, cache_from_bytes
+    from kvopt.episodes import KIND as EPISODES, EpisodicConversation
+    from kvopt.methods import parse
+
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise CacheFileError(f"cannot read the session file {path}: {error.strerror}") from None
+    header, chunks = container.unpack(data, str(path))
+    if header.get("kind") == EPISODES:
+        state, meta = Episodes(EpisodicConversation.from_header(header, chunks, model, str(path))), header["meta"]
+    elif header.get("kind") == KIND:
+        cache, meta = cache_from_bytes(data, model, str(path))
+        state = OneCache(cache, header["encoding"])
+    else:
+        raise KVOptError(f"{path} holds {header.get('kind')!r}, not a chat session; give --session another name")
+    if not {"tokens", "messages"} <= set(meta):
+        raise KVOptError(f"{path} is a saved cache, not a chat session (no conversation in it); give --session "
+                         "another name, or move that file away")  # fmt: skip
+    if method is not None and "+".join(m.spec() for m in parse(method)) != state.spec:
+        raise KVOptError(f"session {path.stem!r} runs {state.spec!r}; omit --method or start a new session")
+    return state, meta
 
 
 def _note(text: str) -> None:

@@ -41,9 +41,9 @@ How this implementation chooses where the paper leaves a choice:
 
 Limits: one sequence per cache (each conversation routes its own question); no sliding-window layers. The
 question must be in the prompt: ``kvopt eval --mode query_aware`` (a query-agnostic run compresses the context
-before the question exists, and the last ``window`` tokens of the context would be routed instead). Episodes are
-not kept across turns of ``kvopt chat --session`` yet: a session's cache keeps its first question's episode and
-grows with the later turns (they are not routed again).
+before the question exists, and the last ``window`` tokens of the context would be routed instead). A cache keeps
+one episode, its question's; a conversation that goes on keeps them all with :mod:`kvopt.episodes` (what
+``kvopt chat --session NAME --method epicache:...`` does): every question routed to its own episode's cache.
 """
 
 from __future__ import annotations
@@ -180,9 +180,20 @@ class _Stop(Exception):
 
 
 def embed(model, pieces: list[list[int]]) -> torch.Tensor:
-    """``[len(pieces), hidden]``: each piece alone through the model up to its middle layer, mean-pooled over its
-    tokens but the first (all of them for a one-token piece), centred on the mean of all pieces but the last
+    """``[len(pieces), hidden]``: :func:`pooled_states` of each piece, centred on the mean of all pieces but the last
     (the history's, when the last is the question) and L2-normalised."""
+    pooled = pooled_states(model, pieces)
+    return centred(pooled, pooled[:-1].mean(dim=0) if len(pieces) > 1 else torch.zeros_like(pooled[0]))
+
+
+def centred(pooled: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``pooled`` less the history's ``mean`` (the component all segments share), L2-normalised: points to cluster."""
+    return torch.nn.functional.normalize(pooled - mean, dim=-1)
+
+
+def pooled_states(model, pieces: list[list[int]]) -> torch.Tensor:
+    """``[len(pieces), hidden]``: each piece alone through the model up to its middle layer, mean-pooled over its
+    tokens but the first (all of them for a one-token piece)."""
     layers = model.get_decoder().layers
     captured: list[torch.Tensor] = []
 
@@ -201,9 +212,7 @@ def embed(model, pieces: list[list[int]]) -> torch.Tensor:
                 pass
     finally:
         handle.remove()
-    pooled = torch.stack([states[1:].mean(dim=0) if len(states) > 1 else states[0] for states in captured])
-    centred = pooled - pooled[:-1].mean(dim=0) if len(pieces) > 1 else pooled
-    return torch.nn.functional.normalize(centred, dim=-1)
+    return torch.stack([states[1:].mean(dim=0) if len(states) > 1 else states[0] for states in captured])
 
 
 def kmeans(points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
