@@ -28,22 +28,24 @@ def test_each_episode_holds_its_budget_and_the_question_goes_to_the_nearest_cent
     model, tokenizer = tiny_with_tokenizer
     ids = history(tokenizer)
     conversation = EpisodicConversation(SPEC)
-    assert conversation.needs_consolidation(len(ids)) and not conversation.episodes
-    conversation.consolidate(model, tokenizer, ids)
-    assert conversation.history == len(ids) and len(conversation.episodes) == 3
-    assert not conversation.needs_consolidation(len(ids) + 64)
     question = ids + tokenizer("User: what value has the harbour number 2?\n", add_special_tokens=False)["input_ids"]
-    cache, episode = conversation.cache_for(model, tokenizer, question)
-    assert cache.get_seq_length() == len(ids)  # the history seen, the question still to feed
-    full = 2 * len(ids) * model.config.num_key_value_heads * 8 * 4 * 2  # K and V, 2 layers, head_dim 8, fp32
-    assert cache.nbytes() < 0.6 * full  # half of the prompt removed (positions held beside)
+    conversation.prepare(model, tokenizer, question[:40])
+    assert not conversation.episodes  # less than a block of history: nothing to cluster yet
+    conversation.prepare(model, tokenizer, question)  # the history before the question is clustered
     start = plan_conversation(question, tokenizer, 1, episodic_method(SPEC).window).question_start
-    query = centred(pooled_states(model, [question[max(start, len(ids)) :]])[0], conversation.mean)
+    assert conversation.history == start > 64 and len(conversation.episodes) == 3 and conversation.continues(question)
+    cache, episode = conversation.cache_for(model, tokenizer, question)
+    assert cache.get_seq_length() == start  # the history seen, the question still to feed
+    full = 2 * start * model.config.num_key_value_heads * 8 * 4 * 2  # K and V, 2 layers, head_dim 8, fp32
+    assert cache.nbytes() < 0.6 * full  # half of the prompt removed (positions held beside)
+    query = centred(pooled_states(model, [question[start:]])[0], conversation.mean)
     assert episode == route(query, conversation.centroids)
     with torch.no_grad():  # the restored episode answers like any cache: feed the question, then decode
-        logits = model(torch.tensor([question[len(ids):]]), past_key_values=cache,
-                       cache_position=torch.arange(len(ids), len(question))).logits  # fmt: skip
+        logits = model(torch.tensor([question[start:]]), past_key_values=cache,
+                       cache_position=torch.arange(start, len(question))).logits  # fmt: skip
     assert torch.isfinite(logits).all()
+    conversation.prepare(model, tokenizer, question[1:60])  # another conversation: the episodes start over
+    assert not conversation.episodes and conversation.history == 0
 
 
 def test_the_episodes_round_trip_through_one_file_and_refuse_another_model_or_damage(tiny_with_tokenizer):
@@ -51,10 +53,12 @@ def test_the_episodes_round_trip_through_one_file_and_refuse_another_model_or_da
     ids = history(tokenizer)
     conversation = EpisodicConversation(SPEC)
     conversation.consolidate(model, tokenizer, ids)
+    assert conversation.history == len(ids)
     data = conversation.to_bytes(model, {"tokens": ids, "messages": []})
     header, chunks = container.unpack(data, "s")
     back = EpisodicConversation.from_header(header, chunks, model, "s")
     assert (back.spec, back.history, back.episodes) == (conversation.spec, len(ids), conversation.episodes)
+    assert back.continues(ids + [5]) and not back.continues(ids)  # the digest travels with the episodes
     assert torch.equal(back.centroids, conversation.centroids) and header["meta"]["tokens"] == ids
     with pytest.raises(CacheModelMismatchError, match="another model"):
         EpisodicConversation.from_header(header, chunks, tiny_model("qwen2"), "s")
@@ -65,3 +69,78 @@ def test_the_episodes_round_trip_through_one_file_and_refuse_another_model_or_da
 def test_a_spec_without_epicache_is_refused():
     with pytest.raises(KVOptError, match="needs epicache in its spec.*epicache:ratio=0.75"):
         EpisodicConversation("snapkv:ratio=0.5")
+
+
+def session_llm(tiny_with_tokenizer):
+    import kvopt
+
+    model, tokenizer = tiny_with_tokenizer
+    return kvopt.LLM(model, tokenizer=tokenizer, kv_memory="8MB", max_num_batched_tokens=512, kv_method=SPEC)
+
+
+def test_the_engine_answers_a_session_turn_from_its_episode_as_generate_does(tiny_with_tokenizer):
+    import kvopt
+
+    model, tokenizer = tiny_with_tokenizer
+    llm = session_llm(tiny_with_tokenizer)
+    params = kvopt.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = history(tokenizer)
+    (first,) = llm.generate([{"session": "notes", "prompt": ids[:40]}], params, use_tqdm=False)
+    assert first.error is None and not llm.engine.sessions.named["notes"].conversation.episodes
+    turn = [*first.prompt_token_ids, *first.outputs[0].token_ids, *ids[40:],
+            *tokenizer("User: what value has the harbour number 2?\n", add_special_tokens=False)["input_ids"]]  # fmt: skip
+    (second,) = llm.generate([{"session": "notes", "prompt": turn}], params, use_tqdm=False)
+    conversation = llm.engine.sessions.named["notes"].conversation
+    assert second.error is None and len(conversation.episodes) == 3 and conversation.continues(turn)
+    reference = EpisodicConversation(SPEC)  # the same turn through kvopt.episodes and model.generate
+    reference.prepare(model, tokenizer, turn)
+    cache, _ = reference.cache_for(model, tokenizer, turn)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([turn]), attention_mask=torch.ones(1, len(turn), dtype=torch.long),
+                                  past_key_values=cache, max_new_tokens=6, do_sample=False, min_new_tokens=6)  # fmt: skip
+    assert second.outputs[0].token_ids == expected[0, len(turn) :].tolist()
+    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.engine.sessions.named["notes"].busy
+
+
+def test_session_turns_that_cannot_be_served_fail_alone(tiny_with_tokenizer):
+    import kvopt
+    from kvopt.engine.requests import RequestSchemaError
+
+    llm = session_llm(tiny_with_tokenizer)
+    params = kvopt.SamplingParams(max_tokens=2, temperature=0)
+    ids = history(tokenizer=tiny_with_tokenizer[1])[:30]
+    lossless = llm.generate([{"session": "a", "prompt": ids}], kvopt.SamplingParams(max_tokens=2, kv_method="full"),
+                            use_tqdm=False)  # fmt: skip
+    assert "sessions keep epicache's episodes" in lossless[0].error
+    two = llm.generate([{"session": "a", "prompt": ids}], kvopt.SamplingParams(max_tokens=2, n=2, temperature=0.8), use_tqdm=False)
+    assert "give n=1" in two[0].error
+    busy, fine = llm.generate([{"session": "b", "prompt": ids}, {"session": "c", "prompt": ids}], params, use_tqdm=False)
+    assert busy.error is None and fine.error is None
+    first, second = llm.generate([{"session": "d", "prompt": ids}, {"session": "d", "prompt": ids}], params, use_tqdm=False)
+    assert first.error is None and "is answering a turn" in second.error
+    with pytest.raises(RequestSchemaError, match="a turn of a session is"):
+        llm.generate([{"session": "", "prompt": ids}], params, use_tqdm=False)
+    assert llm.metrics()["kv_blocks_used"] == 0 and not any(s.busy for s in llm.engine.sessions.named.values())
+
+
+def test_the_server_takes_a_session_field_on_chat_and_completions(tiny_with_tokenizer):
+    import httpx
+
+    from kvopt.serving import ServerSettings, ThreadedServer
+
+    llm = session_llm(tiny_with_tokenizer)
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, "session": "talk"}
+    with ThreadedServer(lambda: llm.engine, ServerSettings("tiny")) as server:
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert "talk" in llm.engine.sessions.named
+        text = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "The river", "max_tokens": 2,
+                                                                "session": "notes"}, timeout=60)  # fmt: skip
+        assert text.status_code == 200 and "notes" in llm.engine.sessions.named
+        lossless = httpx.post(server.url + "/v1/chat/completions", json={**body, "kv_method": "full"}, timeout=60)
+        assert lossless.status_code == 400 and "sessions keep epicache" in lossless.json()["error"]["message"]
+        both = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": ["a"]}, timeout=60)
+        assert both.status_code == 400 and "cannot be combined" in both.json()["error"]["message"]
+    assert llm.metrics()["kv_blocks_used"] == 0

@@ -22,6 +22,8 @@ the tail. Time: a turn prefills the tail and its own tokens; a consolidation pre
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,8 @@ class EpisodicConversation:
 
     spec: str
     history: int = 0
+    #: Digest of the history's token ids: a prompt that does not start with them is another conversation.
+    digest: str = ""
     #: The history's mean pooled embedding (centres a question as the segments were) and the episodes' centroids.
     mean: torch.Tensor | None = None
     centroids: torch.Tensor | None = None
@@ -59,9 +63,19 @@ class EpisodicConversation:
         self.method = episodic_method(self.spec)
         self.spec = "+".join(method.spec() for method in parse(self.spec))  # as a cache names its spec
 
-    def needs_consolidation(self, tokens: int) -> bool:
-        """Whether a conversation of ``tokens`` tokens has more than one block of turns since the last consolidation."""
-        return tokens - self.history > self.method.block
+    def prepare(self, model, tokenizer, ids: list[int]) -> None:
+        """Make the episodes ready for a turn whose prompt is ``ids`` (the conversation so far and the new turn): a
+        prompt that does not continue the history drops them; more than one block of turns before its question
+        since the last consolidation consolidates everything before the question."""
+        if self.episodes and not self.continues(ids):
+            self.history, self.digest, self.mean, self.centroids, self.episodes = 0, "", None, None, []
+        question = plan_conversation(ids, tokenizer, self.method.utterances, self.method.window).question_start
+        if question - self.history > self.method.block:
+            self.consolidate(model, tokenizer, ids[:question])
+
+    def continues(self, ids: list[int]) -> bool:
+        """Whether ``ids`` starts with the consolidated history (and goes on past it)."""
+        return len(ids) > self.history and token_digest(ids[: self.history]) == self.digest
 
     @torch.inference_mode()
     def consolidate(self, model, tokenizer, ids: list[int]) -> None:
@@ -82,22 +96,24 @@ class EpisodicConversation:
             budgets = self.method.layer_targets(cache.layers, len(ids))
             compress_blockwise(cache, model, ids, len(ids), budgets, instruction + patched, self.method.block)
             episodes.append(cache_bytes(cache, model, self.encoding))
-        self.history, self.mean, self.centroids, self.episodes = len(ids), mean, centroids, episodes
+        self.history, self.digest, self.mean, self.centroids, self.episodes = len(ids), token_digest(ids), mean, centroids, episodes
 
-    def cache_for(self, model, tokenizer, ids: list[int]):
+    def cache_for(self, model, tokenizer, ids: list[int], episode: int | None = None):
         """``(cache, episode)``: the cache a turn whose prompt is ``ids`` starts from, its routed episode's restored
-        (``episode`` None and a lossless cache while nothing is consolidated); the caller feeds it ``ids``."""
+        (or ``episode``'s, when given; None and a lossless cache while nothing is consolidated); the caller feeds it
+        ``ids``."""
         if not self.episodes:
             return build_cache("full", model), None
-        question = plan_conversation(ids, tokenizer, self.method.utterances, self.method.window).question_start
-        query = centred(pooled_states(model, [ids[max(question, self.history) :]])[0], self.mean)
-        episode = route(query, self.centroids)
+        if episode is None:
+            question = plan_conversation(ids, tokenizer, self.method.utterances, self.method.window).question_start
+            query = centred(pooled_states(model, [ids[max(question, self.history) :]])[0], self.mean)
+            episode = route(query, self.centroids)
         return cache_from_bytes(self.episodes[episode], model, f"episode {episode}")[0], episode
 
     def to_bytes(self, model, meta: dict) -> bytes:
         """One container: the state and ``meta`` (JSON-able) in its header, each episode's cache file a chunk."""
         header = {"kind": KIND, "model": model_fingerprint(model), "spec": self.spec, "history": self.history,
-                  "encoding": self.encoding, "meta": meta,
+                  "digest": self.digest, "encoding": self.encoding, "meta": meta,
                   "mean": None if self.mean is None else self.mean.tolist(),
                   "centroids": None if self.centroids is None else self.centroids.tolist()}  # fmt: skip
         return container.pack(header, self.episodes)
@@ -110,10 +126,14 @@ class EpisodicConversation:
         check_fingerprint(header["model"], model, source)
         try:
             tensor = lambda values: None if values is None else torch.tensor(values, dtype=torch.float32)  # noqa: E731
-            return cls(header["spec"], int(header["history"]), tensor(header["mean"]), tensor(header["centroids"]),
-                       [bytes(chunk) for chunk in chunks], header["encoding"])  # fmt: skip
+            return cls(header["spec"], int(header["history"]), str(header["digest"]), tensor(header["mean"]),
+                       tensor(header["centroids"]), [bytes(chunk) for chunk in chunks], header["encoding"])  # fmt: skip
         except (KeyError, TypeError, ValueError) as error:
             raise CacheCorruptError(f"{source}: its episodes cannot be read ({error}); the file is damaged") from None
+
+
+def token_digest(ids: list[int]) -> str:
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 def episodic_method(spec: str) -> EpiCache:

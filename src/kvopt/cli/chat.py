@@ -134,9 +134,10 @@ class Episodes:
         self.conversation, self.spec = conversation, conversation.spec
 
     def turn_cache(self, model, tokenizer, tokens: list[int], ids: list[int]):
-        if tokens and self.conversation.needs_consolidation(len(tokens)):
-            self.conversation.consolidate(model, tokenizer, tokens)
-            _note(f"[{len(self.conversation.episodes)} episodes built over {len(tokens)} tokens]")
+        built = len(self.conversation.episodes), self.conversation.history
+        self.conversation.prepare(model, tokenizer, ids)
+        if (len(self.conversation.episodes), self.conversation.history) != built:
+            _note(f"[{len(self.conversation.episodes)} episodes built over {self.conversation.history} tokens]")
         cache, episode = self.conversation.cache_for(model, tokenizer, ids)
         return cache, "" if episode is None else f" (episode {episode + 1} of {len(self.conversation.episodes)})"
 

@@ -10,13 +10,14 @@ from collections.abc import Iterator, Sequence
 
 from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig, EngineConfigError
+from kvopt.engine.conversations import SessionPrompt
 from kvopt.engine.llm_engine import ChunkedPrompt, LLMEngine, RequestError
 from kvopt.engine.outputs import RequestOutput
 from kvopt.engine.requests import RequestSchemaError, check_messages, check_prompt, max_tokens_within
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.models.info import ModelInfo
 
-Prompt = str | list[int] | ChunkedPrompt
+Prompt = str | list[int] | ChunkedPrompt | SessionPrompt
 Messages = list[dict[str, str]]
 
 
@@ -40,6 +41,10 @@ class LLM:
     full prefill, chosen at layer ``blend_check_layer`` (default 1; a deeper layer chooses better and computes every
     token up to it); ``epic``: each chunk's first tokens), see :mod:`kvopt.chunks`; ``chunk_memory`` bounds the chunk
     KV kept in this process (least recently used first out).
+
+    ``{"session": name, "prompt": conversation_so_far_and_new_turn}`` is a turn of a long conversation with
+    ``kv_method="epicache:..."``: the engine keeps the session's episodes and answers each question from its own
+    episode's cache (:mod:`kvopt.engine.conversations`).
     """
 
     def __init__(
@@ -205,6 +210,8 @@ class LLM:
         """A ``max_tokens`` that cannot fit after the prompt is refused as the server and ``kvopt batch`` refuse it
         (the default, without ``sampling_params``, stops at the context). A prompt too long for any output, or text
         without a tokenizer, is the engine's to refuse (naming the prompt)."""
+        if isinstance(prompt, SessionPrompt):
+            prompt = prompt.prompt
         if params is None or isinstance(prompt, ChunkedPrompt) or (isinstance(prompt, str) and self.tokenizer is None):
             return
         length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer(prompt).input_ids)
@@ -309,10 +316,18 @@ def _prompt_list(prompts: object) -> list[Prompt]:
 
 
 def _one_prompt(prompt: object, field: str) -> Prompt:
-    """A checked prompt; ``{"preamble": ..., "chunks": [...], "prompt": ...}`` becomes a :class:`ChunkedPrompt`."""
+    """A checked prompt; ``{"preamble": ..., "chunks": [...], "prompt": ...}`` becomes a :class:`ChunkedPrompt`,
+    ``{"session": ..., "prompt": ...}`` a :class:`SessionPrompt`."""
     if not isinstance(prompt, dict):
         return check_prompt(prompt, field)
     keys = set(prompt)
+    if "session" in keys:
+        name = prompt["session"]
+        if keys != {"session", "prompt"} or not isinstance(name, str) or not name.strip():
+            raise RequestSchemaError(f'{field}: a turn of a session is {{"session": name, "prompt": the conversation '
+                                     f"so far and the new turn}} with a non-empty name (got keys {sorted(prompt)})",
+                                     field.split("[")[0])  # fmt: skip
+        return SessionPrompt(name, check_prompt(prompt["prompt"], f"{field}.prompt"))
     if (not {"chunks", "prompt"} <= keys <= {"preamble", "chunks", "prompt"}
             or not isinstance(prompt["chunks"], (list, tuple)) or not prompt["chunks"]):  # fmt: skip
         raise RequestSchemaError(f'{field}: a prompt with chunks is {{"preamble": system_text (optional), "chunks": '

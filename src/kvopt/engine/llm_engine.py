@@ -27,6 +27,7 @@ from kvopt.api import local_prose
 from kvopt.chunks import Chunk, ChunkError, ChunkStore, blend, check_settings
 from kvopt.engine import sampler
 from kvopt.engine.block_manager import BlockManager
+from kvopt.engine.conversations import EpisodicKV, Session, SessionPrompt, Sessions
 from kvopt.engine.config import CPU_SPECULATE_MAX_BATCH, EngineConfig, EngineConfigError, parse_memory
 from kvopt.engine.detokenizer import IncrementalDetokenizer
 from kvopt.engine.kv.base import SequenceKV
@@ -77,6 +78,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     error: str | None = None
+    #: The named conversation this request is a turn of (:mod:`kvopt.engine.conversations`).
+    session: Session | None = None
 
     @property
     def finished(self) -> bool:
@@ -165,6 +168,7 @@ class LLMEngine:
         #: Blend settings once :meth:`enable_chunk_caching` ran (None: chunked prompts are refused), stores per spec.
         self._chunk_settings: dict | None = None
         self._chunk_stores: dict[str, ChunkStore] = {}
+        self.sessions = Sessions()
 
     def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
                              memory: str | int | float = "256MB", check_layer: int | None = None) -> None:  # fmt: skip
@@ -203,15 +207,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use; give each request its own id")
-        pieces, problem = self._chunk_pieces(prompt, params) if isinstance(prompt, ChunkedPrompt) else (None, None)
-        if pieces is not None:
-            text, ids = None, [token for piece in pieces for token in (piece.tokens if isinstance(piece, Chunk) else piece)]
-        else:
-            text, ids = self._tokenize(prompt)
+        spec = params.kv_method or self.config.kv_method
+        text, ids, new_kv, problem = self._resolve(prompt, params, spec)
         now = time.perf_counter()
         request = Request(request_id, text, ids, params, RequestMetrics(arrival_time=now))
         self.requests[request_id] = request
-        problem = problem or self._check(ids, params)
+        problem = problem or self._check(ids, params) or self._begin_session(request, prompt, spec)
         if problem:
             request.error = problem
             request.metrics.finished_time = now
@@ -219,17 +220,17 @@ class LLMEngine:
             self._failed.append(self._output(request))
             del self.requests[request_id]
             return
-        compression = self._compression(params.kv_method or self.config.kv_method)
+        compression = self._compression(spec)
+        if request.session is not None:
+            new_kv = partial(EpisodicKV, request.session, parse(spec), self.model, self.tokenizer, self.runner.pool)
+        elif new_kv is None:
+            new_kv = LosslessKV if compression is None else compression.new_kv
         # A lossless request's n completions fork after its prompt and share its blocks; a compressed one's each
         # hold their own compressed prompt from the start (what a method keeps is no block to share).
-        for index in range(1 if compression is None and pieces is None else params.n):
+        for index in range(1 if new_kv is LosslessKV else params.n):
             seed = None if params.seed is None else params.seed + index  # as a fork seeds its stream
             generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            if pieces is not None:
-                kv = BlendedKV(pieces, self._chunk_stores[params.kv_method or self.config.kv_method],
-                               self._chunk_settings, self.model, self.tokenizer, self.runner.pool)  # fmt: skip
-            else:
-                kv = LosslessKV() if compression is None else compression.new_kv()
+            kv = new_kv()
             seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params, now, index=index,
                            priority=priority, generator=generator, kv=kv)  # fmt: skip
             request.seqs.append(seq)
@@ -237,6 +238,34 @@ class LLMEngine:
             self.scheduler.add(seq)
             if self.offload is not None:
                 self.offload.prefetch(seq)
+
+    def _resolve(self, prompt, params: SamplingParams, spec: str) -> tuple:
+        """``(text, ids, new_kv, problem)`` of a prompt: its text (None for ids), its token ids, what makes its
+        sequences' KV when the prompt's kind decides it (None: the spec's), and why it cannot be served (None)."""
+        if isinstance(prompt, ChunkedPrompt):
+            pieces, problem = self._chunk_pieces(prompt, params)
+            ids = [token for piece in pieces for token in (piece.tokens if isinstance(piece, Chunk) else piece)]
+            store = self._chunk_stores.get(spec)
+            return None, ids, partial(BlendedKV, pieces, store, self._chunk_settings, self.model, self.tokenizer,
+                                      self.runner.pool), problem  # fmt: skip
+        if isinstance(prompt, SessionPrompt):
+            text, ids = self._tokenize(prompt.prompt)
+            return text, ids, None, None  # the session is checked with the request (_begin_session)
+        return *self._tokenize(prompt), None, None
+
+    def _begin_session(self, request: Request, prompt, spec: str) -> str | None:
+        """A session's turn: its session, now busy, and its sequence's KV; or why the turn cannot be served."""
+        if not isinstance(prompt, SessionPrompt):
+            return None
+        if self.tokenizer is None:
+            return f"session {prompt.session!r}: sessions route questions by their text; pass the tokenizer"
+        try:
+            self._compression(spec)  # the spec's methods checked and prepared for this model
+        except KVOptError as error:
+            return str(error)
+        session, problem = self.sessions.begin(prompt.session, spec, request.params.n)
+        request.session = session
+        return problem
 
     def _chunk_pieces(self, prompt: ChunkedPrompt, params: SamplingParams) -> tuple[list, str | None]:
         """The request's pieces (the preamble and each document as a :class:`Chunk`, the history and question as ids),
@@ -340,6 +369,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        self._end_session(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -504,7 +534,12 @@ class LLMEngine:
         if request.metrics.time_to_first_token is not None:
             self.stats.ttft.observe(request.metrics.time_to_first_token)
         self.stats.e2e.observe(request.metrics.e2e_latency)
+        self._end_session(request)
         del self.requests[request.request_id]
+
+    def _end_session(self, request: Request) -> None:
+        if request.session is not None:
+            Sessions.end(request.session)
 
     def _output(self, request: Request) -> RequestOutput:
         metrics = request.metrics

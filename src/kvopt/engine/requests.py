@@ -178,6 +178,11 @@ class GenerateRequest(BaseModel):
     kv_method: KVMethod | None = Field(
         None, description="kvopt extension: the KV-cache method spec for this request, e.g. 'full' (`kvopt methods`)"
     )
+    #: kvopt's extension for long conversations: the request is a turn of the named conversation, answered from the
+    #: episode of its history its question matches (an ``epicache`` kv_method; :mod:`kvopt.engine.conversations`).
+    session: Text | None = Field(
+        None, min_length=1, description="kvopt: a long conversation's name; its turns are answered from episodes (epicache)",
+    )  # fmt: skip
 
     @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
     @classmethod

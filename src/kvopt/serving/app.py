@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvopt.engine import RequestOutput, SamplingParams
+from kvopt.engine.conversations import SessionPrompt
 from kvopt.engine.llm_engine import ChunkedPrompt
 from kvopt.engine.requests import RequestSchemaError, max_tokens_within
 from kvopt.serving.engine_client import EngineClient, EngineUnavailableError, RequestStream
@@ -163,6 +164,9 @@ class OpenAIServer:
         self._check_stream_options(body)
         messages = [message.as_template_input() for message in body.messages]
         if body.documents:  # kvopt's extension: documents reused by content (engine/requests.py)
+            if body.session:
+                raise APIError(400, "documents and session cannot be combined; send the documents in the messages",
+                               param="session")  # fmt: skip
             prompt, length = await self.tokenizer.encode_chat_documents(messages, body.documents)
             return await self._generate(request, body, prompt, chat=True, prompt_tokens=length)
         prompt = await self.tokenizer.encode_chat(messages)
@@ -205,6 +209,8 @@ class OpenAIServer:
     async def _generate(self, request: Request, body: GenerateRequest, prompt: list[int] | ChunkedPrompt, chat: bool,
                         prompt_tokens: int | None = None) -> Response:  # fmt: skip
         params = self._sampling_params(body, len(prompt) if prompt_tokens is None else prompt_tokens, chat)
+        if body.session:  # kvopt's extension: a turn of a long conversation (engine/conversations.py)
+            prompt = SessionPrompt(body.session, prompt)
         self._check_capacity()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         form = Formatter(request_id, int(time.time()), self.settings.model_name, chat, params.logprobs)

@@ -25,6 +25,7 @@ from kvopt.errors import KVOptError
 
 if TYPE_CHECKING:
     from kvopt.engine import LLMEngine, RequestOutput, SamplingParams
+    from kvopt.engine.conversations import SessionPrompt
     from kvopt.engine.llm_engine import ChunkedPrompt
 
 logger = logging.getLogger("kvopt.serving")
@@ -141,7 +142,8 @@ class EngineClient:
             self.thread.join(timeout)
 
     # -- requests (event-loop side) -----------------------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int] | ChunkedPrompt, params: SamplingParams) -> RequestStream:
+    def add(self, request_id: str, prompt_token_ids: list[int] | ChunkedPrompt | SessionPrompt,
+            params: SamplingParams) -> RequestStream:
         """Queue a request on the engine; its outputs arrive on the returned stream."""
         self.check_ready()
         if self.ended is not None:

@@ -1,0 +1,95 @@
+"""Named conversations in the engine: a request that continues a session is answered from its episode (EpiCache).
+
+A request ``{"session": "notes", "prompt": ...}`` (``llm.generate``) is a turn of the conversation of that name:
+its prompt is the conversation so far and the new turn, as a chat client resends it. The session's spec must hold
+``epicache``: the engine keeps the session's episodes (:class:`kvopt.episodes.EpisodicConversation`, in host memory
+beside the pool, as the paper parks them on the CPU) and computes the turn on top of the episode its question
+matches, after clustering and compressing the history again when it grew by more than one block since the last
+time (a prompt that does not start with the clustered history starts the episodes over). A lossless conversation
+needs no session: the prefix cache already reuses its earlier turns.
+
+One turn of a session runs at a time (the next one continues its output); its sequence is an ordinary own-cache
+sequence (:class:`~kvopt.engine.kv.cache_backed.CacheBackedKV`) from then on, preempted and restored like any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvopt.engine.kv.cache_backed import CacheBackedKV
+from kvopt.episodes import EpisodicConversation, is_episodic
+from kvopt.models.forward import cache_kwargs
+
+if TYPE_CHECKING:
+    from kvopt.engine.kv.paged import PagedKVPool
+    from kvopt.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SessionPrompt:
+    """A turn of the conversation ``session``: ``prompt`` is the conversation so far plus the new turn."""
+
+    session: str
+    prompt: str | list[int]
+
+
+@dataclass
+class Session:
+    """A conversation's episodes."""
+
+    conversation: EpisodicConversation
+    #: Whether a turn is being answered (the next one may build on it: one at a time).
+    busy: bool = False
+
+
+class Sessions:
+    """The engine's named conversations."""
+
+    def __init__(self) -> None:
+        self.named: dict[str, Session] = {}
+
+    def begin(self, name: str, spec: str, n: int) -> tuple[Session | None, str | None]:
+        """The session a turn continues, now busy; or why the turn cannot be served."""
+        if not is_episodic(spec):
+            return None, (f"session {name!r}: sessions keep epicache's episodes, and this request runs {spec!r}; "
+                          "give kv_method='epicache:ratio=0.75' (a lossless conversation needs no session: the prefix "
+                          "cache reuses its earlier turns)")  # fmt: skip
+        if n != 1:
+            return None, f"session {name!r}: a turn of a session has one completion; give n=1"
+        session = self.named.get(name)
+        if session is None:
+            session = self.named[name] = Session(EpisodicConversation(spec))
+        if session.conversation.spec != EpisodicConversation(spec).spec:
+            return None, f"session {name!r} runs {session.conversation.spec!r}; give that kv_method or a new session"
+        if session.busy:
+            return None, f"session {name!r} is answering a turn; send the next one after it finishes"
+        session.busy = True
+        return session, None
+
+    @staticmethod
+    def end(session: Session) -> None:
+        session.busy = False
+
+
+class EpisodicKV(CacheBackedKV):
+    """A session's turn: its cache starts from the episode its question matches (consolidated first when due)."""
+
+    def __init__(self, session: Session, methods: list, model, tokenizer, pool: PagedKVPool) -> None:
+        super().__init__(methods, model, tokenizer, pool)
+        self.session = session
+        #: The episode chosen when the prompt was first computed (a recomputation after preemption keeps it).
+        self.episode: int | None = None
+
+    @torch.inference_mode()
+    def compute_prompt(self, seq: Sequence, count: int) -> torch.Tensor:
+        conversation, ids = self.session.conversation, seq.token_ids[:count]
+        if self.episode is None:  # not a recomputation after preemption (its output is no turn of the conversation)
+            conversation.prepare(self.model, self.tokenizer, ids)
+        cache, self.episode = conversation.cache_for(self.model, self.tokenizer, ids, self.episode)
+        fed = torch.tensor([ids[cache.get_seq_length() :]], device=next(self.model.parameters()).device)
+        output = self.model(input_ids=fed, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+        self.cache = cache
+        return output.logits[0, -1:].float()
