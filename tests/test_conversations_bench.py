@@ -19,7 +19,8 @@ def test_every_compressed_spec_parses_and_names_its_ratio():
     for spec in specs[1:]:
         (method,) = parse(spec)
         assert method.ratio in conversations.COMPRESSIONS.values()
-    assert [m.budgets for spec in conversations.xkv_specs()[1:] for m in parse(spec)] == ["uniform", "pyramid", "xkv"] * 2
+    assert [m.budgets for spec in conversations.xkv_specs()[1:] for m in parse(spec)] == ["uniform", "pyramid", "xkv"] * 4
+    assert conversations.canonical("snapkv:ratio=0.9,budgets=uniform") == "snapkv:ratio=0.9"  # as rows name it
 
 
 def row(model, step, method, depth, score, sample=0, ratio=None, task="conversation"):
@@ -50,12 +51,14 @@ def test_the_conversation_table_pairs_with_full_and_states_the_targets():
 
 def test_the_xkv_table_compares_budgets_at_the_same_ratio():
     rows = [row("q", "xkv", "full", 0.5, 1, sample=s, task="niah") for s in range(4)]
-    for budgets, scores in (("uniform", (1, 1, 0, 0)), ("pyramid", (1, 0, 0, 0)), ("xkv", (1, 1, 1, 0))):
-        rows += [row("q", "xkv", f"snapkv:ratio=0.9,budgets={budgets}", 0.5, score, sample=s, ratio=0.9, task="niah")
+    for spec, scores in (("snapkv:ratio=0.9", (1, 1, 0, 0)), ("snapkv:ratio=0.9,budgets=pyramid", (1, 0, 0, 0)),
+                         ("snapkv:ratio=0.9,budgets=xkv", (1, 1, 1, 0))):  # as the harness names them
+        rows += [row("q", "xkv", spec, 0.5, score, sample=s, ratio=0.9, task="niah")
                  for s, score in enumerate(scores)]  # fmt: skip
     text = conversations.render(rows)
-    assert "| 90% | `xkv` | 75% [30–95] (n=4) | 75% [30–95] of 4 |" in text
-    assert "- 90% removed: `xkv` +25 points of accuracy against `uniform` (target ≥ +5: holds)." in text
+    assert "| SnapKV's scoring (last 64 queries, average pooling over 5) | 90% | `xkv` | 75% [30–95] (n=4) | 75% [30–95] of 4 |" in text
+    assert "| SnapKV's scoring (last 64 queries, average pooling over 5) | 90% | `uniform` | 50% [15–85] (n=4) |" in text
+    assert "average pooling over 5), 90% removed: `xkv` +25 points of accuracy against `uniform` (target ≥ +5: holds)." in text
 
 
 def test_a_finished_step_replaces_only_its_own_model_rows(tmp_path, monkeypatch):
