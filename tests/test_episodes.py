@@ -144,3 +144,22 @@ def test_the_server_takes_a_session_field_on_chat_and_completions(tiny_with_toke
         both = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": ["a"]}, timeout=60)
         assert both.status_code == 400 and "cannot be combined" in both.json()["error"]["message"]
     assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_idle_sessions_beyond_the_memory_go_least_recently_used_first():
+    from kvopt.engine.conversations import Sessions
+
+    sessions = Sessions(memory=100)
+    for name in ("a", "b", "c"):
+        session, problem = sessions.begin(name, SPEC, 1)
+        assert problem is None
+        session.conversation.episodes = [b"x" * 40]
+        if name != "b":
+            sessions.end(session)
+    assert list(sessions.named) == ["b", "c"]  # 120 bytes: "a" (idle, oldest) dropped; "b" still answering stays
+    sessions.end(sessions.named["b"])
+    assert list(sessions.named) == ["b", "c"]  # 80 bytes fit
+    big, _ = sessions.begin("d", SPEC, 1)
+    big.conversation.episodes = [b"x" * 150]
+    sessions.end(big)
+    assert list(sessions.named) == ["d"]  # the one just used stays, even alone over the memory

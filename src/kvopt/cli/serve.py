@@ -53,6 +53,8 @@ def serve(
     blend_check_layer: Annotated[Optional[int], typer.Option(min=0, help="with --chunk-caching: the layer where "
                                                              "CacheBlend chooses its tokens; deeper chooses better and "
                                                              "computes every token up to it; default 1")] = None,
+    session_memory: Annotated[str, typer.Option(help="host memory for the episodes of requests' named \"session\"s "
+                                                "(epicache); least recently used idle ones go first")] = "1GB",
     replicas: Annotated[Optional[int], typer.Option(help="engine replicas on Ray Serve behind a KV-aware router "
                                                     "(pip install kvopt[cluster]); each takes --threads CPUs (default 1)")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="join a running Ray cluster: auto, or the head's HOST:PORT; "
@@ -77,7 +79,8 @@ def serve(
     resolve_device(device)
     check_model_dtype(dtype)
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
-                 max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch)
+                 max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch,
+                 session_memory=session_memory)
     parse_memory(chunk_memory, torch.device("cpu"), "chunk_memory")
     check_settings(blend_ratio, blend_strategy, check_layer=blend_check_layer)  # the model's depth is checked at load
     if not chunk_caching and (blend_ratio, blend_strategy, blend_check_layer) != (0.15, "cacheblend", None):
@@ -90,7 +93,7 @@ def serve(
     engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
                        device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
-                       speculate=speculate, speculate_max_batch=speculate_max_batch,
+                       speculate=speculate, speculate_max_batch=speculate_max_batch, session_memory=session_memory,
                        enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory, blend_ratio=blend_ratio,
                        blend_strategy=blend_strategy, blend_check_layer=blend_check_layer)  # fmt: skip
 

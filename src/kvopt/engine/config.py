@@ -56,6 +56,9 @@ class EngineConfig:
     #: Drafts are made only while at most this many sequences run (vLLM's ``disable_by_batch_size``); None: on a CPU
     #: :data:`CPU_SPECULATE_MAX_BATCH`, on an accelerator any number.
     speculate_max_batch: int | None = None
+    #: Host memory for the episodes of named conversations (:mod:`kvopt.engine.conversations`): beyond it, the least
+    #: recently used idle sessions are dropped (their next turn builds its episodes again).
+    session_memory: str | int | float = "1GB"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -86,6 +89,7 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise EngineConfigError(f"policy={self.policy!r}; use one of {POLICIES}")
         parse_memory(self.kv_memory, torch.device("cpu"))  # fail early on a malformed size
+        parse_memory(self.session_memory, torch.device("cpu"), "session_memory")
         self.proposer()
 
     def proposer(self) -> PromptLookup | None:

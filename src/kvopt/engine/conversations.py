@@ -14,6 +14,7 @@ sequence (:class:`~kvopt.engine.kv.cache_backed.CacheBackedKV`) from then on, pr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,10 +47,12 @@ class Session:
 
 
 class Sessions:
-    """The engine's named conversations."""
+    """The engine's named conversations, their episodes within ``memory`` bytes (least recently used idle ones go
+    first; the one just used stays even when it alone exceeds it)."""
 
-    def __init__(self) -> None:
-        self.named: dict[str, Session] = {}
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+        self.named: OrderedDict[str, Session] = OrderedDict()
 
     def begin(self, name: str, spec: str, n: int) -> tuple[Session | None, str | None]:
         """The session a turn continues, now busy; or why the turn cannot be served."""
@@ -62,6 +65,7 @@ class Sessions:
         session = self.named.get(name)
         if session is None:
             session = self.named[name] = Session(EpisodicConversation(spec))
+        self.named.move_to_end(name)
         if session.conversation.spec != EpisodicConversation(spec).spec:
             return None, f"session {name!r} runs {session.conversation.spec!r}; give that kv_method or a new session"
         if session.busy:
@@ -69,9 +73,20 @@ class Sessions:
         session.busy = True
         return session, None
 
-    @staticmethod
-    def end(session: Session) -> None:
+    def end(self, session: Session) -> None:
+        """A turn ended; idle sessions beyond the memory are dropped, least recently used first."""
         session.busy = False
+        held = sum(self.nbytes(other) for other in self.named.values())
+        for name, other in list(self.named.items()):
+            if held <= self.memory or other is session:
+                break
+            if not other.busy:
+                held -= self.nbytes(other)
+                del self.named[name]
+
+    @staticmethod
+    def nbytes(session: Session) -> int:
+        return sum(len(episode) for episode in session.conversation.episodes)
 
 
 class EpisodicKV(CacheBackedKV):

@@ -168,7 +168,7 @@ class LLMEngine:
         #: Blend settings once :meth:`enable_chunk_caching` ran (None: chunked prompts are refused), stores per spec.
         self._chunk_settings: dict | None = None
         self._chunk_stores: dict[str, ChunkStore] = {}
-        self.sessions = Sessions()
+        self.sessions = Sessions(parse_memory(config.session_memory, torch.device("cpu"), "session_memory"))
 
     def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
                              memory: str | int | float = "256MB", check_layer: int | None = None) -> None:  # fmt: skip
@@ -539,7 +539,7 @@ class LLMEngine:
 
     def _end_session(self, request: Request) -> None:
         if request.session is not None:
-            Sessions.end(request.session)
+            self.sessions.end(request.session)
 
     def _output(self, request: Request) -> RequestOutput:
         metrics = request.metrics
