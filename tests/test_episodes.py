@@ -86,11 +86,11 @@ def test_the_engine_answers_a_session_turn_from_its_episode_as_generate_does(tin
     params = kvopt.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ids = history(tokenizer)
     (first,) = llm.generate([{"session": "notes", "prompt": ids[:40]}], params, use_tqdm=False)
-    assert first.error is None and not llm.engine.sessions.named["notes"].conversation.episodes
+    assert first.error is None and not llm.engine.conversations.named["notes"].conversation.episodes
     turn = [*first.prompt_token_ids, *first.outputs[0].token_ids, *ids[40:],
             *tokenizer("User: what value has the harbour number 2?\n", add_special_tokens=False)["input_ids"]]  # fmt: skip
     (second,) = llm.generate([{"session": "notes", "prompt": turn}], params, use_tqdm=False)
-    conversation = llm.engine.sessions.named["notes"].conversation
+    conversation = llm.engine.conversations.named["notes"].conversation
     assert second.error is None and len(conversation.episodes) == 3 and conversation.continues(turn)
     reference = EpisodicConversation(SPEC)  # the same turn through kvopt.episodes and model.generate
     reference.prepare(model, tokenizer, turn)
@@ -99,7 +99,7 @@ def test_the_engine_answers_a_session_turn_from_its_episode_as_generate_does(tin
         expected = model.generate(torch.tensor([turn]), attention_mask=torch.ones(1, len(turn), dtype=torch.long),
                                   past_key_values=cache, max_new_tokens=6, do_sample=False, min_new_tokens=6)  # fmt: skip
     assert second.outputs[0].token_ids == expected[0, len(turn) :].tolist()
-    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.engine.sessions.named["notes"].busy
+    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.engine.conversations.named["notes"].busy
 
 
 def test_session_turns_that_cannot_be_served_fail_alone(tiny_with_tokenizer):
@@ -120,7 +120,7 @@ def test_session_turns_that_cannot_be_served_fail_alone(tiny_with_tokenizer):
     assert first.error is None and "is answering a turn" in second.error
     with pytest.raises(RequestSchemaError, match="a turn of a session is"):
         llm.generate([{"session": "", "prompt": ids}], params, use_tqdm=False)
-    assert llm.metrics()["kv_blocks_used"] == 0 and not any(s.busy for s in llm.engine.sessions.named.values())
+    assert llm.metrics()["kv_blocks_used"] == 0 and not any(s.busy for s in llm.engine.conversations.named.values())
 
 
 def test_the_server_takes_a_session_field_on_chat_and_completions(tiny_with_tokenizer):
@@ -135,10 +135,10 @@ def test_the_server_takes_a_session_field_on_chat_and_completions(tiny_with_toke
         server.wait_ready()
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
-        assert "talk" in llm.engine.sessions.named
+        assert "talk" in llm.engine.conversations.named
         text = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "The river", "max_tokens": 2,
                                                                 "session": "notes"}, timeout=60)  # fmt: skip
-        assert text.status_code == 200 and "notes" in llm.engine.sessions.named
+        assert text.status_code == 200 and "notes" in llm.engine.conversations.named
         lossless = httpx.post(server.url + "/v1/chat/completions", json={**body, "kv_method": "full"}, timeout=60)
         assert lossless.status_code == 400 and "sessions keep epicache" in lossless.json()["error"]["message"]
         both = httpx.post(server.url + "/v1/chat/completions", json={**body, "documents": ["a"]}, timeout=60)
@@ -147,19 +147,75 @@ def test_the_server_takes_a_session_field_on_chat_and_completions(tiny_with_toke
 
 
 def test_idle_sessions_beyond_the_memory_go_least_recently_used_first():
-    from kvopt.engine.conversations import Sessions
+    from kvopt.engine.conversations import SESSION_BYTES, Sessions
 
-    sessions = Sessions(memory=100)
+    sessions = Sessions(memory=2 * SESSION_BYTES + 100)
     for name in ("a", "b", "c"):
         session, problem = sessions.begin(name, SPEC, 1)
         assert problem is None
         session.conversation.episodes = [b"x" * 40]
         if name != "b":
             sessions.end(session)
-    assert list(sessions.named) == ["b", "c"]  # 120 bytes: "a" (idle, oldest) dropped; "b" still answering stays
+    assert list(sessions.named) == ["b", "c"]  # 3 sessions over: "a" (idle, oldest) dropped; "b" still answering stays
     sessions.end(sessions.named["b"])
-    assert list(sessions.named) == ["b", "c"]  # 80 bytes fit
+    assert list(sessions.named) == ["b", "c"]  # two fit
     big, _ = sessions.begin("d", SPEC, 1)
-    big.conversation.episodes = [b"x" * 150]
+    big.conversation.episodes = [b"x" * 3 * SESSION_BYTES]
     sessions.end(big)
     assert list(sessions.named) == ["d"]  # the one just used stays, even alone over the memory
+    for name in ("", " ", "a" * 101, "a/b"):
+        assert "a session name is 1-100 letters" in sessions.begin(name, SPEC, 1)[1]
+    sessions.begin("e", "epicache:ratio=0.5", 1)
+    assert list(sessions.named)[-1] == "e" and sessions.begin("d", "epicache:ratio=0.5", 1)[1]  # another spec: refused
+    assert list(sessions.named)[-1] == "e"  # ...and not counted as used
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_session_turns_come_back_from_the_same_episode(tiny_with_tokenizer, mode):
+    import kvopt
+    from kvopt.engine.kv.paged import PagedKVPool
+    from kvopt.models.info import ModelInfo
+
+    model, tokenizer = tiny_with_tokenizer
+    block = PagedKVPool.block_bytes(ModelInfo.from_config(model.config), 16, torch.float32)
+    llm = kvopt.LLM(model, tokenizer=tokenizer, kv_memory=34 * block, max_model_len=512, preemption_mode=mode,
+                    kv_method=SPEC)  # fmt: skip
+    ids = history(tokenizer)
+    asks = [f"User: what value has the {topic} number {i}?\n" for i, topic in enumerate(("river", "hill", "harbour"))]
+    turns = [ids + tokenizer(ask, add_special_tokens=False)["input_ids"] for ask in asks]
+    params = kvopt.SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    short = {"session": "short", "prompt": ids[:40]}  # no episodes yet: its output must not become history
+    outputs = llm.generate([*({"session": f"s{i}", "prompt": turn} for i, turn in enumerate(turns)), ids[:200], short],
+                           [params] * 3 + [kvopt.SamplingParams(max_tokens=120, ignore_eos=True, kv_method="full"), params],
+                           use_tqdm=False)  # fmt: skip
+    assert llm.metrics()["num_preemptions_total"] > 0
+    assert outputs[-1].error is None and not llm.engine.conversations.named["short"].conversation.episodes
+    outputs = outputs[:3]
+    for index, (turn, output) in enumerate(zip(turns, outputs)):
+        assert output.error is None
+        assert llm.engine.conversations.named[f"s{index}"].conversation.continues(turn)  # the prompt, not its output
+        reference = EpisodicConversation(SPEC)
+        reference.prepare(model, tokenizer, turn)
+        cache, _ = reference.cache_for(model, tokenizer, turn)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([turn]), attention_mask=torch.ones(1, len(turn), dtype=torch.long),
+                                      past_key_values=cache, max_new_tokens=120, min_new_tokens=120, do_sample=False)  # fmt: skip
+        assert output.outputs[0].token_ids == expected[0, len(turn) :].tolist()
+    assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_a_recomputed_turn_clusters_and_routes_its_prompt_never_its_output(tiny_with_tokenizer):
+    from types import SimpleNamespace
+
+    from kvopt.engine.conversations import EpisodicKV
+    from kvopt.methods import parse
+
+    model, tokenizer = tiny_with_tokenizer
+    llm = session_llm(tiny_with_tokenizer)
+    session, _ = llm.engine.conversations.begin("x", SPEC, 1)
+    kv = EpisodicKV(session, parse(SPEC), model, tokenizer, llm.engine.runner.pool)
+    ids = history(tokenizer)
+    seq = SimpleNamespace(token_ids=ids[:200], num_prompt_tokens=40)  # a 40-token prompt and 160 tokens of output
+    kv.compute_prompt(seq, 40)
+    kv.compute_prompt(seq, 200)  # recomputed after a preemption: prompt and output so far, one pass
+    assert not session.conversation.episodes and kv.cache.get_seq_length() == 200

@@ -75,7 +75,7 @@ EPISODE_TURN = re.compile(r"(\d+) tokens reused \(episode (\d) of (\d)\), (\d+) 
 
 
 def test_an_epicache_chat_answers_from_episodes_and_resumes_them(model_folder, tmp_path):
-    spec = "epicache:ratio=0.5,episodes=2,utterances=1,block=48"
+    spec = "epicache:ratio=0.5,window=16,episodes=2,utterances=1,block=48"  # as the cache names it
     turns = [f"Tell me about the {topic} number {i}." for i in range(3) for topic in ("river", "hill")]
     first = chat(model_folder, tmp_path, "episodic", turns[:4], "--method", spec)
     assert first.returncode == 0, first.stderr

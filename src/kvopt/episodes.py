@@ -17,7 +17,10 @@ that goes on:
   one checksummed container, so a session resumes with its episodes or fails whole.
 
 Memory: the episodes hold ``episodes`` x the budget (the paper parks them on the CPU); a turn holds one of them plus
-the tail. Time: a turn prefills the tail and its own tokens; a consolidation prefills the history once.
+the tail. While it runs, a consolidation holds the history's recorded lossless prefill (keys, values and the queries
+methods replay from: about 3x the history's lossless KV with grouped-query attention) and one episode being
+compressed. Time: a turn prefills the tail and its own tokens; a consolidation prefills the history once and scores
+it once per episode and block (in the engine, the other sequences wait for it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from kvopt.methods.epicache import (
 from kvopt.methods.recording import record_prefill
 
 KIND = "kvopt-episodes"
+#: Bumped when the saved state changes meaning (an older file is refused, naming both versions).
+VERSION = 1
 
 
 @dataclass
@@ -112,7 +117,7 @@ class EpisodicConversation:
 
     def to_bytes(self, model, meta: dict) -> bytes:
         """One container: the state and ``meta`` (JSON-able) in its header, each episode's cache file a chunk."""
-        header = {"kind": KIND, "model": model_fingerprint(model), "spec": self.spec, "history": self.history,
+        header = {"kind": KIND, "version": VERSION, "model": model_fingerprint(model), "spec": self.spec, "history": self.history,
                   "digest": self.digest, "encoding": self.encoding, "meta": meta,
                   "mean": None if self.mean is None else self.mean.tolist(),
                   "centroids": None if self.centroids is None else self.centroids.tolist()}  # fmt: skip
@@ -121,15 +126,25 @@ class EpisodicConversation:
     @classmethod
     def from_header(cls, header: dict, chunks: list, model, source: str) -> EpisodicConversation:
         """The conversation :meth:`to_bytes` wrote, for ``model`` (its episodes are checked again when restored)."""
+        if header.get("version") != VERSION:
+            raise CacheCorruptError(f"{source} holds episodes in format {header.get('version')!r}, this kvopt reads "
+                                    f"{VERSION}; start a new session, or use the kvopt that wrote it")  # fmt: skip
         if not isinstance(header.get("model"), dict):
             raise CacheCorruptError(f"{source}: its episodes name no model; the file is damaged")
         check_fingerprint(header["model"], model, source)
         try:
             tensor = lambda values: None if values is None else torch.tensor(values, dtype=torch.float32)  # noqa: E731
-            return cls(header["spec"], int(header["history"]), str(header["digest"]), tensor(header["mean"]),
-                       tensor(header["centroids"]), [bytes(chunk) for chunk in chunks], header["encoding"])  # fmt: skip
+            state = cls(header["spec"], int(header["history"]), str(header["digest"]), tensor(header["mean"]),
+                        tensor(header["centroids"]), [bytes(chunk) for chunk in chunks], header["encoding"])  # fmt: skip
         except (KeyError, TypeError, ValueError) as error:
             raise CacheCorruptError(f"{source}: its episodes cannot be read ({error}); the file is damaged") from None
+        shapes = [] if state.centroids is None else [tuple(state.centroids.shape), tuple(state.mean.shape)]
+        expected = [] if not state.episodes else [(len(state.episodes), model.config.get_text_config().hidden_size),
+                                                  (model.config.get_text_config().hidden_size,)]  # fmt: skip
+        if shapes != expected or (state.episodes and not state.history):
+            raise CacheCorruptError(f"{source}: its episodes do not match their centroids ({shapes} for {expected}); "
+                                    "the file is damaged")  # fmt: skip
+        return state
 
 
 def token_digest(ids: list[int]) -> str:

@@ -79,7 +79,7 @@ def chat(
     path = sessions_dir(sessions) / f"{session}.kvc"
     model, tokenizer = load_model(model, dtype=dtype, device=device)
     if path.exists():
-        state, meta = resume(path, model, method)
+        state, meta = resume(path, model, method, encoding)
         tokens, messages = meta["tokens"], meta["messages"]
         _note(f"[session {session}: resumed {len(tokens)} tokens, {state.spec}, from {path}]")
     else:
@@ -91,7 +91,7 @@ def chat(
             continue
         ids = tokens + turn_tokens(tokenizer, messages, text)
         with torch.inference_mode():
-            cache, where = state.turn_cache(model, tokenizer, tokens, ids)
+            cache, where = state.turn_cache(model, tokenizer, ids)
             cached = cache.get_seq_length()
             prompt = torch.tensor([ids], device=model.device)
             output = model.generate(
@@ -114,7 +114,7 @@ class OneCache:
     def __init__(self, cache, encoding: str) -> None:
         self.cache, self.encoding, self.spec = cache, encoding, cache.spec
 
-    def turn_cache(self, model, tokenizer, tokens: list[int], ids: list[int]):
+    def turn_cache(self, model, tokenizer, ids: list[int]):
         """The cache to feed the turn's prompt ``ids`` to, and a note on where its reused tokens come from."""
         import torch
 
@@ -133,7 +133,7 @@ class Episodes:
     def __init__(self, conversation) -> None:
         self.conversation, self.spec = conversation, conversation.spec
 
-    def turn_cache(self, model, tokenizer, tokens: list[int], ids: list[int]):
+    def turn_cache(self, model, tokenizer, ids: list[int]):
         built = len(self.conversation.episodes), self.conversation.history
         self.conversation.prepare(model, tokenizer, ids)
         if (len(self.conversation.episodes), self.conversation.history) != built:
@@ -154,11 +154,12 @@ def new_state(spec: str, model, encoding: str) -> OneCache | Episodes:
     return OneCache(build_cache(spec, model), encoding)
 
 
-def resume(path: Path, model, method: str | None) -> tuple[OneCache | Episodes, dict]:
-    """The saved conversation at ``path`` and its meta (tokens, messages); a file that holds none is refused."""
+def resume(path: Path, model, method: str | None, encoding: str) -> tuple[OneCache | Episodes, dict]:
+    """The saved conversation at ``path`` and its meta (tokens, messages), saved from now on in ``encoding``; a file
+    that holds none is refused."""
     from kvopt.codec import container
     from kvopt.codec.errors import CacheFileError
-    from kvopt.codec.session import KIND, cache_from_bytes
+    from kvopt.codec.session import KIND, cache_from_container
     from kvopt.episodes import KIND as EPISODES, EpisodicConversation
     from kvopt.methods import parse
 
@@ -168,13 +169,15 @@ def resume(path: Path, model, method: str | None) -> tuple[OneCache | Episodes, 
         raise CacheFileError(f"cannot read the session file {path}: {error.strerror}") from None
     header, chunks = container.unpack(data, str(path))
     if header.get("kind") == EPISODES:
-        state, meta = Episodes(EpisodicConversation.from_header(header, chunks, model, str(path))), header["meta"]
+        conversation = EpisodicConversation.from_header(header, chunks, model, str(path))
+        conversation.encoding = encoding
+        state, meta = Episodes(conversation), header.get("meta")
     elif header.get("kind") == KIND:
-        cache, meta = cache_from_bytes(data, model, str(path))
-        state = OneCache(cache, header["encoding"])
+        cache, meta = cache_from_container(header, chunks, model, str(path))
+        state = OneCache(cache, encoding)
     else:
         raise KVOptError(f"{path} holds {header.get('kind')!r}, not a chat session; give --session another name")
-    if not {"tokens", "messages"} <= set(meta):
+    if not isinstance(meta, dict) or not {"tokens", "messages"} <= set(meta):
         raise KVOptError(f"{path} is a saved cache, not a chat session (no conversation in it); give --session "
                          "another name, or move that file away")  # fmt: skip
     if method is not None and "+".join(m.spec() for m in parse(method)) != state.spec:

@@ -87,7 +87,11 @@ def read_cache(path: str | os.PathLike, model):
 
 def cache_from_bytes(data: bytes, model, source: str = "the cache"):
     """``(cache, meta)`` from :func:`cache_bytes`'s output."""
-    header, chunks = container.unpack(data, source)
+    return cache_from_container(*container.unpack(data, source), model, source)
+
+
+def cache_from_container(header: dict, chunks: list, model, source: str):
+    """``(cache, meta)`` from an unpacked container (:func:`kvopt.codec.container.unpack`) of a saved cache."""
     if header.get("kind") != KIND:
         raise CacheCorruptError(f"{source} holds {header.get('kind')!r}, not a saved cache")
     check_fingerprint(header["model"], model, source)

@@ -14,6 +14,7 @@ sequence (:class:`~kvopt.engine.kv.cache_backed.CacheBackedKV`) from then on, pr
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +28,11 @@ from kvopt.models.forward import cache_kwargs
 if TYPE_CHECKING:
     from kvopt.engine.kv.paged import PagedKVPool
     from kvopt.engine.sequence import Sequence
+
+
+#: What a session costs beside its episodes (name, state), charged so that a flood of names stays bounded too.
+SESSION_BYTES = 4096
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -62,14 +68,17 @@ class Sessions:
                           "cache reuses its earlier turns)")  # fmt: skip
         if n != 1:
             return None, f"session {name!r}: a turn of a session has one completion; give n=1"
+        if not NAME.fullmatch(name):
+            return None, (f"session {name[:40]!r}: a session name is 1-100 letters, digits, '.', '_' or '-' (it is "
+                          "shared by every client of this engine: make it hard to guess)")  # fmt: skip
         session = self.named.get(name)
         if session is None:
             session = self.named[name] = Session(EpisodicConversation(spec))
-        self.named.move_to_end(name)
         if session.conversation.spec != EpisodicConversation(spec).spec:
             return None, f"session {name!r} runs {session.conversation.spec!r}; give that kv_method or a new session"
         if session.busy:
             return None, f"session {name!r} is answering a turn; send the next one after it finishes"
+        self.named.move_to_end(name)
         session.busy = True
         return session, None
 
@@ -86,7 +95,10 @@ class Sessions:
 
     @staticmethod
     def nbytes(session: Session) -> int:
-        return sum(len(episode) for episode in session.conversation.episodes)
+        """Its episodes' bytes, plus what any session costs (so sessions that never clustered are bounded too)."""
+        conversation = session.conversation
+        vectors = sum(t.numel() * t.element_size() for t in (conversation.mean, conversation.centroids) if t is not None)
+        return SESSION_BYTES + vectors + sum(len(episode) for episode in conversation.episodes)
 
 
 class EpisodicKV(CacheBackedKV):
@@ -95,16 +107,22 @@ class EpisodicKV(CacheBackedKV):
     def __init__(self, session: Session, methods: list, model, tokenizer, pool: PagedKVPool) -> None:
         super().__init__(methods, model, tokenizer, pool)
         self.session = session
-        #: The episode chosen when the prompt was first computed (a recomputation after preemption keeps it).
+        #: Whether the session's episodes were made ready for this turn, and the episode it was routed to (None while
+        #: the session has none): a recomputation after a preemption keeps both.
+        self.prepared = False
         self.episode: int | None = None
 
     @torch.inference_mode()
     def compute_prompt(self, seq: Sequence, count: int) -> torch.Tensor:
-        conversation, ids = self.session.conversation, seq.token_ids[:count]
-        if self.episode is None:  # not a recomputation after preemption (its output is no turn of the conversation)
-            conversation.prepare(self.model, self.tokenizer, ids)
-        cache, self.episode = conversation.cache_for(self.model, self.tokenizer, ids, self.episode)
-        fed = torch.tensor([ids[cache.get_seq_length() :]], device=next(self.model.parameters()).device)
-        output = self.model(input_ids=fed, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+        """The turn's prompt on top of its episode; recomputed after a preemption, the same episode and the output
+        so far (which is no part of the conversation's history: only the prompt is clustered and routed)."""
+        conversation, prompt = self.session.conversation, seq.token_ids[: seq.num_prompt_tokens]
+        if not self.prepared:
+            conversation.prepare(self.model, self.tokenizer, prompt)
+            self.prepared = True
+        cache, self.episode = conversation.cache_for(self.model, self.tokenizer, prompt, self.episode)
+        fed = seq.token_ids[cache.get_seq_length() : count]
+        output = self.model(input_ids=torch.tensor([fed], device=next(self.model.parameters()).device),
+                            **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)  # fmt: skip
         self.cache = cache
         return output.logits[0, -1:].float()

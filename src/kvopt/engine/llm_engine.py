@@ -168,7 +168,7 @@ class LLMEngine:
         #: Blend settings once :meth:`enable_chunk_caching` ran (None: chunked prompts are refused), stores per spec.
         self._chunk_settings: dict | None = None
         self._chunk_stores: dict[str, ChunkStore] = {}
-        self.sessions = Sessions(parse_memory(config.session_memory, torch.device("cpu"), "session_memory"))
+        self.conversations = Sessions(parse_memory(config.session_memory, torch.device("cpu"), "session_memory"))
 
     def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
                              memory: str | int | float = "256MB", check_layer: int | None = None) -> None:  # fmt: skip
@@ -254,16 +254,13 @@ class LLMEngine:
         return *self._tokenize(prompt), None, None
 
     def _begin_session(self, request: Request, prompt, spec: str) -> str | None:
-        """A session's turn: its session, now busy, and its sequence's KV; or why the turn cannot be served."""
+        """A session's turn (after :meth:`_check`, which checked the spec): ``request.session``, now busy; or why the
+        turn cannot be served."""
         if not isinstance(prompt, SessionPrompt):
             return None
         if self.tokenizer is None:
             return f"session {prompt.session!r}: sessions route questions by their text; pass the tokenizer"
-        try:
-            self._compression(spec)  # the spec's methods checked and prepared for this model
-        except KVOptError as error:
-            return str(error)
-        session, problem = self.sessions.begin(prompt.session, spec, request.params.n)
+        session, problem = self.conversations.begin(prompt.session, spec, request.params.n)
         request.session = session
         return problem
 
@@ -539,7 +536,7 @@ class LLMEngine:
 
     def _end_session(self, request: Request) -> None:
         if request.session is not None:
-            self.sessions.end(request.session)
+            self.conversations.end(request.session)
 
     def _output(self, request: Request) -> RequestOutput:
         metrics = request.metrics

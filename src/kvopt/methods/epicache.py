@@ -188,7 +188,7 @@ def embed(model, pieces: list[list[int]]) -> torch.Tensor:
 
 def centred(pooled: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """``pooled`` less the history's ``mean`` (the component all segments share), L2-normalised: points to cluster."""
-    return torch.nn.functional.normalize(pooled - mean, dim=-1)
+    return torch.nn.functional.normalize(pooled - mean.to(pooled), dim=-1)
 
 
 def pooled_states(model, pieces: list[list[int]]) -> torch.Tensor:
@@ -216,9 +216,10 @@ def pooled_states(model, pieces: list[list[int]]) -> torch.Tensor:
 
 
 def kmeans(points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels [n], centroids [k, dim])``: Lloyd's k-means from k-means++ seeds, the best of 10 starts by inertia."""
+    """``(labels [n], centroids [k, dim])``: Lloyd's k-means from k-means++ seeds, the best of 10 starts by inertia
+    (run on the CPU in fp64, as sklearn does; returned on the points' device)."""
     generator = torch.Generator().manual_seed(KMEANS_SEED)
-    points = points.double().cpu()
+    device, points = points.device, points.double().cpu()
     best = None
     for _ in range(KMEANS_STARTS):
         centroids = seed_centroids(points, k, generator)
@@ -232,7 +233,7 @@ def kmeans(points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         inertia = float(((points - centroids[labels]) ** 2).sum())
         if best is None or inertia < best[0]:
             best = inertia, labels, centroids
-    return best[1], best[2].float()
+    return best[1].to(device), best[2].float().to(device)
 
 
 def seed_centroids(points: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -249,7 +250,7 @@ def seed_centroids(points: torch.Tensor, k: int, generator: torch.Generator) -> 
 
 def route(query: torch.Tensor, centroids: torch.Tensor) -> int:
     """The episode whose centroid has the largest dot product with the question's embedding."""
-    return int((centroids @ query.to(centroids.dtype)).argmax())
+    return int((centroids @ query.to(centroids)).argmax())
 
 
 def patched_prompt(
