@@ -219,3 +219,13 @@ def test_a_recomputed_turn_clusters_and_routes_its_prompt_never_its_output(tiny_
     kv.compute_prompt(seq, 40)
     kv.compute_prompt(seq, 200)  # recomputed after a preemption: prompt and output so far, one pass
     assert not session.conversation.episodes and kv.cache.get_seq_length() == 200
+
+
+def test_a_session_turn_streams(tiny_with_tokenizer):
+    import kvopt
+
+    llm = session_llm(tiny_with_tokenizer)
+    ids = history(tiny_with_tokenizer[1])[:30]
+    *_, last = llm.stream({"session": "live", "prompt": ids}, kvopt.SamplingParams(max_tokens=3, temperature=0))
+    assert last.finished and last.error is None and len(last.outputs[0].token_ids) == 3
+    assert not llm.engine.conversations.named["live"].busy

@@ -96,7 +96,7 @@ class LLM:
     ) -> Iterator[tuple[int, RequestOutput]]:  # fmt: skip
         """``(index of the prompt, its final output)`` as each request finishes, so a caller can keep every result
         at once (``kvopt batch`` writes them as they come). Closing the iterator early aborts the rest."""
-        prompts = [check_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
+        prompts = [_one_prompt(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompts)]
         params = _params_for(sampling_params, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
         index = {request_id: position for position, request_id in enumerate(ids)}
@@ -130,7 +130,7 @@ class LLM:
         """
         request_id = str(next(self._ids))
         (params,) = _params_for(sampling_params, 1)
-        self._add([(request_id, check_prompt(prompt), params, 0)])
+        self._add([(request_id, _one_prompt(prompt, "prompt"), params, 0)])
         finished = False
         try:
             while not finished:
