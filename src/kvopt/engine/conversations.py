@@ -23,7 +23,6 @@ import torch
 
 from kvopt.engine.kv.cache_backed import CacheBackedKV
 from kvopt.episodes import EpisodicConversation, is_episodic
-from kvopt.models.forward import cache_kwargs
 
 if TYPE_CHECKING:
     from kvopt.engine.kv.paged import PagedKVPool
@@ -71,10 +70,9 @@ class Sessions:
         if not NAME.fullmatch(name):
             return None, (f"session {name[:40]!r}: a session name is 1-100 letters, digits, '.', '_' or '-' (it is "
                           "shared by every client of this engine: make it hard to guess)")  # fmt: skip
-        session = self.named.get(name)
-        if session is None:
-            session = self.named[name] = Session(EpisodicConversation(spec))
-        if session.conversation.spec != EpisodicConversation(spec).spec:
+        fresh = EpisodicConversation(spec)
+        session = self.named.setdefault(name, Session(fresh))
+        if session.conversation.spec != fresh.spec:
             return None, f"session {name!r} runs {session.conversation.spec!r}; give that kv_method or a new session"
         if session.busy:
             return None, f"session {name!r} is answering a turn; send the next one after it finishes"
@@ -122,7 +120,4 @@ class EpisodicKV(CacheBackedKV):
             self.prepared = True
         cache, self.episode = conversation.cache_for(self.model, self.tokenizer, prompt, self.episode)
         fed = seq.token_ids[cache.get_seq_length() : count]
-        output = self.model(input_ids=torch.tensor([fed], device=next(self.model.parameters()).device),
-                            **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)  # fmt: skip
-        self.cache = cache
-        return output.logits[0, -1:].float()
+        return self.continue_prompt(cache, torch.tensor([fed], device=next(self.model.parameters()).device))

@@ -48,7 +48,6 @@ from kvopt.errors import CacheUsageError, KVOptError
 from kvopt.methods import parse
 from kvopt.methods.full import Full
 from kvopt.methods.spec import storage
-from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 
 
@@ -116,11 +115,7 @@ class BlendedKV(CacheBackedKV):
         assert count >= self.prompt_tokens, "a blended prompt is computed in one pass"
         extra = seq.token_ids[self.prompt_tokens : count]
         blended = blend(self.model, [*self.pieces, extra] if extra else self.pieces, self.store, **self.settings)
-        with torch.no_grad():
-            output = self.model(input_ids=blended.input_ids[:, -1:], **cache_kwargs(self.model, blended.cache),
-                                use_cache=True, logits_to_keep=1)  # fmt: skip
-        self.cache = blended.cache
-        return output.logits[0, -1:].float()
+        return self.continue_prompt(blended.cache, blended.input_ids[:, -1:])
 
 
 class LLMEngine:

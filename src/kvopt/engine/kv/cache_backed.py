@@ -105,11 +105,15 @@ class CacheBackedKV:
     def compute_prompt(self, seq: Sequence, count: int) -> torch.Tensor:
         """Compute ``seq``'s first ``count`` tokens into a new cache, as :func:`kvopt.generate` does; fp32 logits of
         the last ``[1, vocab]``."""
-        model = self.model
-        cache = KVCache.for_model(self.methods, model)
-        ids = torch.tensor([seq.token_ids[:count]], device=next(model.parameters()).device)
-        ids = cache.run_prompt_pass(model, ids, self.tokenizer)
-        output = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        cache = KVCache.for_model(self.methods, self.model)
+        ids = torch.tensor([seq.token_ids[:count]], device=next(self.model.parameters()).device)
+        return self.continue_prompt(cache, cache.run_prompt_pass(self.model, ids, self.tokenizer))
+
+    def continue_prompt(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``ids`` ``[1, new]`` (the prompt's tokens ``cache`` lacks) and hold ``cache`` as the sequence's;
+        fp32 logits of the last ``[1, vocab]``."""
+        with torch.no_grad():
+            output = self.model(input_ids=ids, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
         self.cache = cache
         return output.logits[0, -1:].float()
 
