@@ -18,7 +18,8 @@ prefill per prompt replayed for every kvopt method):
 ``--samples`` prompts per task, length and depth (conversation: 3 depths, so 8 samples make 24 conversations per
 cell; xkv: 1 depth, 3 tasks, 24 prompts per cell). Rows: benchmarks/results/conversations.jsonl, tagged with their
 ``step``; the harness's resumable working files live under results/conversations/<model>/<step>/ (ignored) and
-their rows replace that step's and model's rows when it finishes (or is stopped: ``--collect`` copies them in).
+their rows replace that step's and model's rows when it finishes (or is stopped: ``--collect`` copies them in). On a
+machine without working files, a step starts from its committed rows, so only the missing cells run.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def grid(step: str, samples: int):
 
 def work_file(model: str, step: str) -> Path:
     return WORK / model / step / "eval.jsonl"
+
+
+def seed(model: str, step: str) -> None:
+    """A fresh machine resumes from the committed rows: they become the step's working file if it has none."""
+    path = work_file(model, step)
+    if path.exists() or not ROWS.exists():
+        return
+    stamp = ("step", "conditions", "date")
+    rows = [{k: v for k, v in row.items() if k not in stamp}
+            for row in map(json.loads, filter(str.strip, ROWS.read_text().splitlines()))
+            if (row["step"], row["model"]) == (step, model)]  # fmt: skip
+    if rows:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def merge(model: str, step: str) -> None:
@@ -258,6 +273,7 @@ def main() -> None:
     loaded = None if args.collect else kvopt.load_model(args.model)
     for step in args.steps.split(","):
         if not args.collect:
+            seed(label, step)
             run_eval(grid(step, args.samples), work_file(label, step).parent, model_name=label, loaded=loaded,
                      progress=False)  # fmt: skip
         merge(label, step)

@@ -74,3 +74,19 @@ def test_a_finished_step_replaces_only_its_own_model_rows(tmp_path, monkeypatch)
     rows = [json.loads(line) for line in conversations.ROWS.read_text().splitlines()]
     assert [(r["model"], r["step"], r["sample"]) for r in rows] == [("b", "xkv", 0), ("a", "conversation", 0), ("a", "xkv", 1)]
     assert rows[-1]["conditions"] == conversations.CONDITIONS and rows[-1]["date"]
+
+
+def test_a_fresh_machine_resumes_a_step_from_its_committed_rows(tmp_path, monkeypatch):
+    from kvopt.eval.runner import load_done, row_key
+
+    monkeypatch.setattr(conversations, "ROWS", tmp_path / "rows.jsonl")
+    monkeypatch.setattr(conversations, "WORK", tmp_path / "work")
+    committed = [row("a", "conversation", "full", 0.5, 1), row("a", "xkv", "full", 0.5, 0), row("b", "conversation", "full", 0.5, 0)]
+    conversations.ROWS.write_text("".join(json.dumps(r) + "\n" for r in committed))
+    conversations.seed("a", "conversation")
+    work = conversations.work_file("a", "conversation")
+    assert load_done(work) == {row_key(committed[0])}  # only this model's and step's rows, as the harness keys them
+    assert "step" not in json.loads(work.read_text())
+    work.write_text("")  # a working file already there is the newer record: left alone
+    conversations.seed("a", "conversation")
+    assert work.read_text() == ""
