@@ -65,9 +65,9 @@ def with_ratio(method: str, ratio: float, **more) -> str:
 
 def canonical(spec: str) -> str:
     """``spec`` as the harness names it in its rows (defaults left out, parameters in order)."""
-    from kvopt.methods import parse
+    from kvopt.methods import canonical_spec
 
-    return "+".join(method.spec() for method in parse(spec)) if spec != "full" else spec
+    return canonical_spec(spec) if spec != "full" else spec
 
 
 def conversation_specs() -> list[str]:

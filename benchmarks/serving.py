@@ -561,9 +561,9 @@ ACCURACY_ROWS = {
 
 
 def _canonical(spec: str) -> str:
-    from kvopt.methods import parse
+    from kvopt.methods import canonical_spec
 
-    return "+".join(method.spec() for method in parse(spec))
+    return canonical_spec(spec)
 
 
 def _kept_by_spec(model: str) -> dict[str, str]:

@@ -373,7 +373,8 @@ def test_engine_documents_are_computed_after_the_preamble(tiny_with_tokenizer):
     llm = chunk_llm(tiny_with_tokenizer, blend_ratio=0.0)
     tokenizer = llm.tokenizer
     preamble, question = "You answer from the documents.", "Where does the river rise?"
-    head, document, asked = (tokenizer(text, add_special_tokens=False).input_ids for text in (preamble, DOCS[0], question))
+    document, asked = (tokenizer(text, add_special_tokens=False).input_ids for text in (DOCS[0], question))
+    head = tokenizer(preamble).input_ids  # the preamble opens the prompt: with the special tokens the tokenizer adds
     ids = head + document + asked
     # The only document follows its preamble: reused exactly, so even plain concatenation is the plain prompt.
     chunked, plain = llm.generate([{"preamble": preamble, "chunks": [DOCS[0]], "prompt": question}, ids], params,

@@ -37,7 +37,7 @@ from kvopt.codec.errors import CacheCorruptError
 from kvopt.codec.fingerprint import check_fingerprint, model_fingerprint
 from kvopt.codec.session import cache_bytes, cache_from_bytes
 from kvopt.errors import KVOptError
-from kvopt.methods import parse
+from kvopt.methods import canonical_spec, parse
 from kvopt.methods.epicache import (
     INSTRUCTION, EpiCache, centred, compress_blockwise, kmeans, patched_prompt, plan_conversation, pooled_states, route,
 )  # fmt: skip
@@ -66,7 +66,7 @@ class EpisodicConversation:
 
     def __post_init__(self) -> None:
         self.method = episodic_method(self.spec)
-        self.spec = "+".join(method.spec() for method in parse(self.spec))  # as a cache names its spec
+        self.spec = canonical_spec(self.spec)  # as a cache names its spec
 
     def prepare(self, model, tokenizer, ids: list[int]) -> None:
         """Make the episodes ready for a turn whose prompt is ``ids`` (the conversation so far and the new turn): a

@@ -36,7 +36,7 @@ from kvopt.codec.blocks import decode_block, encode_block
 from kvopt.codec.errors import CacheFileError
 from kvopt.codec.fingerprint import model_fingerprint
 from kvopt.errors import KVOptError
-from kvopt.methods.spec import parse
+from kvopt.methods.spec import parse, spec_text
 from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
 from kvopt.tiers.base import TierStats
@@ -95,7 +95,7 @@ def check_reusable(model, spec: str) -> str:
     if any(window is not None for window in info.sliding_windows):
         raise ChunkError(f"chunk reuse needs full-attention layers; {type(model).__name__} has sliding-window layers "
                          "(use prefix caching for it)")  # fmt: skip
-    return "+".join(method.spec() for method in methods)
+    return spec_text(methods)
 
 
 class ChunkStore:

@@ -161,7 +161,7 @@ def resume(path: Path, model, method: str | None, encoding: str) -> tuple[OneCac
     from kvopt.codec.errors import CacheFileError
     from kvopt.codec.session import KIND, cache_from_container
     from kvopt.episodes import KIND as EPISODES, EpisodicConversation
-    from kvopt.methods import parse
+    from kvopt.methods import canonical_spec
 
     try:
         data = path.read_bytes()
@@ -180,7 +180,7 @@ def resume(path: Path, model, method: str | None, encoding: str) -> tuple[OneCac
     if not isinstance(meta, dict) or not {"tokens", "messages"} <= set(meta):
         raise KVOptError(f"{path} is a saved cache, not a chat session (no conversation in it); give --session "
                          "another name, or move that file away")  # fmt: skip
-    if method is not None and "+".join(m.spec() for m in parse(method)) != state.spec:
+    if method is not None and canonical_spec(method) != state.spec:
         raise KVOptError(f"session {path.stem!r} runs {state.spec!r}; omit --method or start a new session")
     return state, meta
 

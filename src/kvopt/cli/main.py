@@ -138,7 +138,7 @@ def memory(
 ) -> None:
     """KV bytes per token and in total, for a model or an explicit shape."""
     from kvopt.memory import bytes_per_token, estimate, human_bytes
-    from kvopt.methods import parse
+    from kvopt.methods import parse, spec_text
     from kvopt.models.info import ModelInfo, parse_dtype
 
     torch_dtype = parse_dtype(dtype)
@@ -166,7 +166,7 @@ def memory(
     table.add_row("per token (all layers, K+V)", f"{per_token:,}", human_bytes(per_token))
     table.add_row(f"full, {seq_len} tokens x batch {batch}", f"{full.total_bytes:,}", human_bytes(full.total_bytes))
     if methods:
-        spec = "+".join(m.spec() for m in methods)
+        spec = spec_text(methods)
         reduced = estimate(info, seq_len, batch, methods)
         ratio = reduced.total_bytes / full.total_bytes
         table.add_row(f"{spec} (theoretical)", f"{reduced.total_bytes:,}", f"{human_bytes(reduced.total_bytes)} ({ratio:.3f}x)")

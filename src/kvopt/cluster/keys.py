@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvopt.engine.block_manager import BlockManager
-from kvopt.methods import parse
+from kvopt.methods import parse, spec_text
 from kvopt.methods.full import Full
 
 
@@ -25,7 +25,7 @@ def compressed_spec(kv_method: str) -> str | None:
     methods = parse(kv_method)
     if all(type(method) is Full for method in methods):
         return None
-    return "+".join(method.spec() for method in methods)
+    return spec_text(methods)
 
 
 @lru_cache(maxsize=16)

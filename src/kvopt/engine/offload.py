@@ -43,6 +43,7 @@ from kvopt.codec.errors import CacheFileError
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfigError, parse_memory
 from kvopt.engine.sequence import Sequence
+from kvopt.methods.spec import spec_text
 from kvopt.tiers import DiskTier, KVTier, MemoryTier, RedisTier, TierChain
 
 #: Keys of blocks this process wrote or restored, remembered so they are not written again (bounded).
@@ -222,7 +223,7 @@ class KVOffload:
 
 def _spec(seq: Sequence) -> str:
     """The canonical spec of a compressed sequence's methods (what its state depends on)."""
-    return "+".join(method.spec() for method in seq.kv.methods)
+    return spec_text(seq.kv.methods)
 
 
 def _block(data: bytes, fingerprint: dict, tokens: tuple[int, ...], source: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -171,13 +171,13 @@ def parse_contender(spec: str) -> Contender:
         options = {"encoding": encoding, "cache": cached.spec}
         return Contender(f"saved:{encoding}:{cached.spec}", "kvopt", f"saved:{encoding}:{cached.method_name}", cached.ratio,
                          options)  # fmt: skip
-    from kvopt.methods import parse
+    from kvopt.methods import parse, spec_text
 
     methods = parse(spec)
     ratio = next((getattr(m, "ratio") for m in methods if getattr(m, "ratio", None) is not None), None)
     replays = not any(m.shapes_prefill for m in methods)
     names = "+".join(m.name for m in methods)
-    return Contender("+".join(m.spec() for m in methods), "kvopt", names, ratio, replays=replays)
+    return Contender(spec_text(methods), "kvopt", names, ratio, replays=replays)
 
 
 def _options(spec: str, args: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ from kvopt.errors import KVOptError
 from kvopt.eval.report import Retention, retention, wilson_interval
 from kvopt.eval.rows import EVAL_ROW_KEYS, Row, load_rows
 from kvopt.memory import estimate, human_bytes
-from kvopt.methods import parse
+from kvopt.methods import canonical_spec, parse
 from kvopt.paths import writable_file
 
 #: The committed benchmark rows of a source checkout (``src/kvopt/eval`` -> the repository root).
@@ -148,7 +148,7 @@ def canonical(spec: str) -> str | None:
     """The spec as kvopt writes it (``kivi`` and ``kivi:bits=4`` are one), or None for a peer's (kvpress, quanto)
     or a stored-cache contender."""
     try:
-        return "+".join(method.spec() for method in parse(spec))
+        return canonical_spec(spec)
     except KVOptError:
         return None
 

@@ -7,9 +7,9 @@ import importlib
 import pkgutil
 
 from kvopt.methods.base import Method, available, get, register
-from kvopt.methods.spec import parse
+from kvopt.methods.spec import canonical_spec, parse, spec_text
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Method", "available", "get", "parse", "register"]
+__all__ = ["Method", "available", "canonical_spec", "get", "parse", "register", "spec_text"]

@@ -96,6 +96,17 @@ def _coerce(method: str, key: str, raw: str, kind: object) -> object:
 # -- composition ----------------------------------------------------------------------------
 
 
+def spec_text(methods: Sequence[Method]) -> str:
+    """The spec ``methods`` make, as kvopt writes it (each method's defaults left out, its parameters in order):
+    what keys, rows and saved states name them by."""
+    return "+".join(method.spec() for method in methods)
+
+
+def canonical_spec(spec: str) -> str:
+    """``spec`` as kvopt writes it: ``kivi`` and ``kivi:bits=4`` are one spec."""
+    return spec_text(parse(spec))
+
+
 def storage(method: Method) -> str | None:
     """Where ``method`` moves tokens out of the dense store (``ragged``, ``sparse``, ``merged``, ``quantized``),
     or None.
@@ -131,7 +142,7 @@ def check_composition(methods: Sequence[Method], spec: str | None = None) -> Non
     (unless that one waits for the pass: ``waits_for_prompt_pass``, kivi).
     ``spec`` is the text the errors quote.
     """
-    spec = spec or "+".join(m.spec() for m in methods)
+    spec = spec or spec_text(methods)
     _check_each_once(methods, spec)
     _check_order(methods, spec)
     _check_prefill_shapers(methods, spec)
@@ -201,7 +212,7 @@ def _check_prefill_shapers(methods: Sequence[Method], spec: str) -> None:
             ordered = [method, *(m for m in methods if m is not method)]
             raise MethodParameterError(
                 f"{spec!r}: {method.name} selects among the whole prompt's tokens, but {earlier[0].spec()} acts "
-                f"first; put {method.name} first: {'+'.join(m.spec() for m in ordered)!r}"
+                f"first; put {method.name} first: {spec_text(ordered)!r}"
             )
 
 
@@ -220,5 +231,5 @@ def _check_order(methods: Sequence[Method], spec: str) -> None:
             raise MethodParameterError(
                 f"{spec!r}: {later.spec()} must come before {earlier.spec()}, which has already moved tokens "
                 f"into {storage(earlier)} storage by the time {later.name} acts; order the spec as "
-                f"{'+'.join(m.spec() for m in ordered)!r} (evict, then merge, then quantize)"
+                f"{spec_text(ordered)!r} (evict, then merge, then quantize)"
             )
