@@ -40,3 +40,26 @@ def test_load_local_folder_prepares_attention(tmp_path):
     loaded, tokenizer = kvopt.load_model(tmp_path)
     assert loaded.config._attn_implementation == "kvopt"
     assert tokenizer("t5 t6")["input_ids"] == [5, 6]
+
+
+def test_the_default_gguf_tokenizer_follows_the_file_whatever_transformers_converts_it():
+    """transformers 5.2 swapped this file's BOS and EOS, added a BOS it says not to and five tokens past its
+    vocabulary; the tokenizer kvopt converts takes those from the file's metadata."""
+    from kvopt.models.gguf_tokenizer import gguf_metadata, load_gguf_tokenizer
+
+    gguf = loading.default_gguf_path()
+    vocabulary, fields = gguf_metadata(gguf)
+    assert fields["add_bos_token"] is False and vocabulary == 49152
+    tokenizer = load_gguf_tokenizer(gguf)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert len(tokenizer) == vocabulary
+    text = "Hello world, it's 9264.\nNext line"
+    ids = tokenizer(text).input_ids
+    assert ids == tokenizer(text, add_special_tokens=False).input_ids and tokenizer.decode(ids) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_loaded_default_model_stops_at_its_own_end_of_turn(default_model):
+    _, tokenizer = default_model
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer("hi").input_ids == tokenizer("hi", add_special_tokens=False).input_ids

@@ -4,6 +4,7 @@ The slow part of a conversion (transformers reading the GGUF) is replaced by a s
 same files, so these tests exercise the marker, verification, reconversion, staging and lock.
 """
 
+import json
 import threading
 import time
 
@@ -139,3 +140,14 @@ def test_cache_folder_setting_expands_home_and_refuses_a_file(tmp_path, monkeypa
     monkeypatch.setenv("KVOPT_CACHE", str(tmp_path / "a-file"))
     with pytest.raises(KVOptError, match="KVOPT_CACHE .* is a file, not a folder"):
         loading.cache_dir()
+
+
+def test_a_conversion_of_another_format_is_converted_again(converter, capsys):
+    gguf, runs = converter
+    folder = loading.converted_gguf_dir(gguf)
+    marker = folder / loading.COMPLETE_MARKER
+    marker.write_text(json.dumps({"files": json.loads(marker.read_text())["files"]}))  # as kvopt wrote it before formats
+    assert "another format (1, this one writes" in loading.conversion_damage(folder)
+    capsys.readouterr()
+    assert loading.converted_gguf_dir(gguf) == folder and len(runs) == 2
+    assert "converting it again" in capsys.readouterr().err and loading.conversion_damage(folder) is None

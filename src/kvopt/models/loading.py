@@ -39,6 +39,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 #: Written last into a converted model's folder: the files a complete conversion holds, with their sizes.
 COMPLETE_MARKER = "kvopt-complete.json"
+#: What a conversion writes; a folder a kvopt of another format wrote is converted again (2: the tokenizer as the
+#: GGUF's metadata defines it, :mod:`kvopt.models.gguf_tokenizer`).
+CONVERSION_FORMAT = 2
 #: Prefix of the folders conversions write into before renaming them into place.
 STAGING_PREFIX = ".converting-"
 MISSING = "missing"
@@ -173,9 +176,11 @@ def converted_gguf_dir(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path, folder: Path) -> None:
     """Write ``gguf``'s dequantized weights, config and tokenizer into ``folder`` (the slow part)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from kvopt.models.gguf_tokenizer import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized weights are plain tensors; drop the GGUF marker so HF will serialise them.
     model.hf_quantizer = None
@@ -188,7 +193,7 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
 def write_complete_marker(folder: Path) -> None:
     """Record ``folder``'s files and sizes; written last, so its presence means the folder is whole."""
     files = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
-    (folder / COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=1))
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"format": CONVERSION_FORMAT, "files": files}, indent=1))
 
 
 def conversion_damage(folder: Path) -> str | None:
@@ -196,11 +201,14 @@ def conversion_damage(folder: Path) -> str | None:
     if not folder.is_dir():
         return MISSING
     try:
-        files = json.loads((folder / COMPLETE_MARKER).read_text())["files"]
+        marker = json.loads((folder / COMPLETE_MARKER).read_text())
+        files, written = marker["files"], marker.get("format", 1)
     except FileNotFoundError:
         return f"no {COMPLETE_MARKER}: its conversion was interrupted or made by an older kvopt"
     except (OSError, ValueError, KeyError, TypeError):
         return f"{COMPLETE_MARKER} is unreadable"
+    if written != CONVERSION_FORMAT:
+        return f"it was converted by a kvopt of another format ({written}, this one writes {CONVERSION_FORMAT})"
     for name, size in files.items():
         path = folder / name
         if not path.is_file():
