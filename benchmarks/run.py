@@ -12,7 +12,8 @@ speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/f
 (benchmarks/twobit.py; where it loses a prose needle: benchmarks/twobit_layers.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
 against this CPU's limits (benchmarks/decode_profile.py), routers across engine replicas on a local Ray cluster
 (benchmarks/cluster.py, where Ray is installed), retrieved documents reused at any position (benchmarks/blend.py),
-long conversations and measured layer budgets (benchmarks/conversations.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
+long conversations and measured layer budgets (benchmarks/conversations.py), bf16 against fp32 on the same prompts
+(benchmarks/precision.py), then the report with plots into benchmarks/report/. The timed targets on a GPU
 (benchmarks/accelerator.py) run by hand where one is lent; their committed rows get their own section.
 Every step's rows are committed in benchmarks/results/; a second model's (``--model``) in
 benchmarks/results/<model>/, which become their own part of BENCHMARKS.md and feed the
@@ -40,6 +41,7 @@ import cluster
 import codec
 import conversations
 import decode_profile
+import precision
 import frontier
 import llamacpp
 import load
@@ -94,9 +96,11 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
-    "frontier,twobit,llamacpp,profile,cluster,blend,conversations"
+    "frontier,twobit,llamacpp,profile,cluster,blend,conversations,precision"
 )
-SECOND_MODEL_STEPS = "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit,blend,conversations"
+SECOND_MODEL_STEPS = (
+    "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit,blend,conversations,precision"
+)
 #: Context lengths of the grid: the default model's 8k positions allow 2k and 4k prompts; a 32k model gets 4k and 8k.
 DEFAULT_LENGTHS, SECOND_MODEL_LENGTHS = "2048,4096", "4096,8192"
 #: The longest prompts (second model only): the lossless cache, the best query-agnostic method, SnapKV and KIVI.
@@ -283,6 +287,9 @@ def main() -> None:
     if "conversations" in steps:  # epicache and xkv budgets, both models' rows in one file (results/conversations.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conversations.py"),
                         *(["--model", args.model] if second else [])], check=True)  # fmt: skip
+    if "precision" in steps:  # bf16 against fp32 on the same prompts, both models' rows in one file (results/precision.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "precision.py"), *(["--model", args.model] if second else [])],
+                       check=True)  # fmt: skip
     if second:
         (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
@@ -548,6 +555,7 @@ def composed(args, plots: Path, previous: str) -> str:
              *committed_section(frontier), *committed_section(twobit), *committed_section(twobit_layers),
              *committed_section(llamacpp),
              *committed_section(decode_profile), *committed_section(cluster), *committed_section(blend), *committed_section(conversations),
+             *committed_section(precision),
              *committed_section(accelerator)]  # fmt: skip
     for name, folder in seconds:
         extra += second_model_part(name, folder, plots)
