@@ -90,3 +90,12 @@ def test_a_fresh_machine_resumes_a_step_from_its_committed_rows(tmp_path, monkey
     work.write_text("")  # a working file already there is the newer record: left alone
     conversations.seed("a", "conversation")
     assert work.read_text() == ""
+
+
+def test_the_routing_table_counts_questions_sent_to_their_facts_episode():
+    rows = [{"model": "m", "step": "routing", "method": "epicache", "length": 4096, "depth": 0.5, "sample": s,
+             "segments": 10, "episodes": 4, "routed": routed, "fact_episode": 1, "conditions": "one thread"}
+            for s, routed in enumerate((1, 0, 2, 1))]  # fmt: skip
+    text = conversations.render(rows)
+    assert "### m: does `epicache` send the question to its fact's episode?" in text
+    assert "| `epicache` | 4 | 10 | 4 | 2/4 = 50% [15–85] | 25% |" in text
