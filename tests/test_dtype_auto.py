@@ -134,7 +134,10 @@ def test_cli_bad_dtype_is_one_line_and_exit_2(command, tmp_path, monkeypatch, ca
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @pytest.mark.parametrize("lengths", [[17], [19, 11, 5]], ids=["batch1", "leftpad3"])
 def test_full_matches_dynamic_cache_in_bf16(arch, lengths):
-    """The lossless claim in bf16: the same tokens as HF's DynamicCache, logits equal to bf16's resolution."""
+    """The lossless claim in bf16: the same tokens as HF's DynamicCache, logits equal to bf16's resolution, up to
+    the first step where HF's two candidates tie within that resolution (as the engine's test allows). On a CPU with
+    bf16 arithmetic (avx512_bf16) gemma2's eager bf16 attention, which rounds its scores and probabilities where
+    kvopt's keeps them in fp32, parts from kvopt's at such a tie on the first prompt; on other CPUs none does."""
     reference = tiny_model(arch, dtype=torch.bfloat16)
     ours = copy.deepcopy(reference)
     ids, mask = random_batch(lengths)
@@ -143,8 +146,17 @@ def test_full_matches_dynamic_cache_in_bf16(arch, lengths):
                                   **steps)  # fmt: skip
     cache = kvopt.cache("full", ours)
     got = ours.generate(ids, attention_mask=mask, past_key_values=cache, **steps)
-    assert torch.equal(expected.sequences, got.sequences)
-    for a, b in zip(expected.logits, got.logits):  # exactly equal on the sdpa models; gemma2's eager one rounds more
+    parted = len(expected.logits)  # the first step where some row's tokens part (none: every step is compared)
+    for row in range(ids.shape[0]):
+        want, have = (output.sequences[row, ids.shape[1] :].tolist() for output in (expected, got))
+        if want != have:
+            step = next(index for index, (a, b) in enumerate(zip(want, have)) if a != b)
+            logits = expected.logits[step][row].float()
+            assert within_bf16(logits[want[step]], logits[have[step]], logits), f"row {row} parts at step {step}"
+            parted = min(parted, step)
+    if arch != "gemma2":
+        assert parted == len(expected.logits)  # the sdpa models never part
+    for a, b in zip(expected.logits[:parted], got.logits[:parted]):  # exactly equal on the sdpa models
         assert within_bf16(a, b, a)
 
 
