@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from kvopt.eval.report import KEPT_RULE, accuracy_score, retention, wilson_interval
-from sections import conditions_line, opening, row_dates
+from sections import conditions_line, merge_working_rows, opening, read_rows, row_dates, seed_working_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "conversations.jsonl"
@@ -131,28 +130,13 @@ def work_file(model: str, step: str) -> Path:
 
 
 def seed(model: str, step: str) -> None:
-    """A fresh machine resumes from the committed rows: they become the step's working file if it has none."""
-    path = work_file(model, step)
-    if path.exists() or not ROWS.exists():
-        return
-    stamp = ("step", "conditions", "date")
-    rows = [{k: v for k, v in row.items() if k not in stamp}
-            for row in map(json.loads, filter(str.strip, ROWS.read_text().splitlines()))
-            if (row["step"], row["model"]) == (step, model)]  # fmt: skip
-    if rows:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    """A fresh machine resumes a step from its committed rows (:func:`sections.seed_working_rows`)."""
+    seed_working_rows(ROWS, work_file(model, step), {"model": model, "step": step})
 
 
 def merge(model: str, step: str) -> None:
     """The step's working rows replace this model's rows of that step in ROWS (rows of other models stay)."""
-    path = work_file(model, step)
-    new = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-    kept = [row for row in old if (row["step"], row["model"]) != (step, new[0]["model"] if new else None)]
-    stamp = {"step": step, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d")}
-    ROWS.parent.mkdir(parents=True, exist_ok=True)
-    ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + [{**stamp, **row} for row in new]))
+    merge_working_rows(ROWS, work_file(model, step), {"model": model, "step": step}, CONDITIONS)
 
 
 # -- the section ------------------------------------------------------------------------------------------------
@@ -338,7 +322,7 @@ def main() -> None:
             run_eval(grid(step, args.samples), work_file(label, step).parent, model_name=label, loaded=loaded,
                      progress=False)  # fmt: skip
         merge(label, step)
-    print(render([json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]))
+    print(render(read_rows(ROWS)))
 
 
 if __name__ == "__main__":

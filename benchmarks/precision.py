@@ -18,12 +18,10 @@ machine without them, a run starts from its committed rows.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 from kvopt.eval.report import KEPT_RULE, accuracy_score, retention
-from sections import conditions_line, opening, row_dates
+from sections import conditions_line, merge_working_rows, opening, read_rows, row_dates, seed_working_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "precision.jsonl"
@@ -48,27 +46,14 @@ def work_file(model: str, dtype: str) -> Path:
     return WORK / model / dtype / "eval.jsonl"
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def seed(model: str, dtype: str) -> None:
-    """A fresh machine resumes from the committed rows: they become the run's working file if it has none."""
-    path = work_file(model, dtype)
-    rows = [{k: v for k, v in row.items() if k not in ("dtype", "conditions", "date")} for row in _read(ROWS)
-            if (row["model"], row["dtype"]) == (model, dtype)]  # fmt: skip
-    if rows and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    """A fresh machine resumes a run from its committed rows (:func:`sections.seed_working_rows`)."""
+    seed_working_rows(ROWS, work_file(model, dtype), {"model": model, "dtype": dtype})
 
 
 def merge(model: str, dtype: str) -> None:
     """The run's working rows replace this model's rows in this dtype (other models' and dtypes' rows stay)."""
-    new = _read(work_file(model, dtype))
-    kept = [row for row in _read(ROWS) if (row["model"], row["dtype"]) != (model, dtype)]
-    stamp = {"dtype": dtype, "conditions": CONDITIONS, "date": time.strftime("%Y-%m-%d")}
-    ROWS.parent.mkdir(parents=True, exist_ok=True)
-    ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + [{**stamp, **row} for row in new]))
+    merge_working_rows(ROWS, work_file(model, dtype), {"model": model, "dtype": dtype}, CONDITIONS)
 
 
 # -- the section ------------------------------------------------------------------------------------------------
@@ -150,7 +135,7 @@ def main() -> None:
             run_eval(grid(args.length, args.samples), work_file(label, dtype).parent, model_name=label, loaded=loaded,
                      progress=False)  # fmt: skip
         merge(label, dtype)
-    print(render(_read(ROWS)))
+    print(render(read_rows(ROWS)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -29,6 +30,37 @@ def conditions_line(rows: Sequence[dict]) -> list[str]:
     """The lines closing a table: what else ran on the machine while its rows were measured (nothing if unstated)."""
     conditions = sorted({row["conditions"] for row in rows if row.get("conditions")})
     return ["", f"Measured with {'; '.join(conditions)}."] if conditions else []
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (none when it is absent)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def seed_working_rows(rows: Path, work: Path, tag: dict) -> None:
+    """A fresh machine resumes a resumable run from its committed rows: those of ``rows`` matching ``tag`` (e.g.
+    ``{"model": ..., "step": ...}``), without the stamp :func:`merge_working_rows` adds, become its working file
+    ``work`` when that does not exist yet, so only the missing cells run."""
+    stamp = set(tag) - {"model"} | {"conditions", "date"}
+    seeded = [{k: v for k, v in row.items() if k not in stamp} for row in read_rows(rows)
+              if all(row.get(k) == v for k, v in tag.items())]  # fmt: skip
+    if seeded and not work.exists():
+        work.parent.mkdir(parents=True, exist_ok=True)
+        work.write_text("".join(json.dumps(row) + "\n" for row in seeded))
+
+
+def merge_working_rows(rows: Path, work: Path, tag: dict, conditions: str) -> None:
+    """The working file's rows, stamped with ``tag`` (but its model, which they name), ``conditions`` and today,
+    replace the rows of ``rows`` matching ``tag``; the other rows stay, and nothing changes while ``work`` holds
+    none (a ``--collect`` on a machine that ran nothing keeps the committed rows)."""
+    new = read_rows(work)
+    if not new:
+        return
+    kept = [row for row in read_rows(rows) if any(row.get(k) != v for k, v in tag.items())]
+    stamp = {k: v for k, v in tag.items() if k != "model"}
+    stamp |= {"conditions": conditions, "date": time.strftime("%Y-%m-%d")}
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    rows.write_text("".join(json.dumps(row) + "\n" for row in kept + [{**stamp, **row} for row in new]))
+
 
 def where(path: Path) -> str:
     """``path`` as the report names it: from the repository root, or whole when outside (``--results``)."""

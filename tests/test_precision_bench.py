@@ -42,3 +42,12 @@ def test_a_run_replaces_only_its_model_and_dtype_and_a_fresh_machine_resumes_fro
     rows = [json.loads(line) for line in precision.ROWS.read_text().splitlines()]
     assert [(r["model"], r["dtype"], r["sample"]) for r in rows] == [("m", "fp32", 0), ("q", "fp32", 0), ("m", "bf16", 0), ("m", "bf16", 1)]
     assert rows[-1]["conditions"] == precision.CONDITIONS
+
+
+def test_collecting_without_working_rows_keeps_the_committed_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "ROWS", tmp_path / "rows.jsonl")
+    monkeypatch.setattr(precision, "WORK", tmp_path / "work")
+    committed = json.dumps(row("bf16", "full", 0, 1, "a")) + "\n"
+    precision.ROWS.write_text(committed)
+    precision.merge("m", "bf16")  # `--collect` on a machine that ran nothing
+    assert precision.ROWS.read_text() == committed
