@@ -12,8 +12,8 @@ prefill per prompt replayed for every kvopt method):
   ``epicache`` (uniform and XKV layer budgets) against ``snapkv``, ``pyramidkv``, ``adakv``, ``kvzip`` and
   ``streamingllm`` at the same bytes: 4x and 6x compression (``ratio`` 0.75 and 5/6 of every layer's prompt).
 * ``routing``: where ``epicache`` sends each conversation's question (the ``conversation`` step's prompts): to the
-  episode that holds the asked fact or to another. Cheap (segments embedded and clustered, nothing compressed), it
-  tells a routing failure from a compression one.
+  episode that holds the asked fact or to another, with each segment space (``embedding=tfidf`` and ``states``).
+  Cheap (segments embedded and clustered, nothing compressed), it tells a routing failure from a compression one.
 * ``xkv``: ``snapkv`` at 75% and 90% removed with its layer budgets ``uniform``, ``pyramid`` and ``xkv`` (the same
   total) on passkey, niah and niah_multivalue; with SnapKV's own scoring and with FastKV's (window 8, max pooling
   over 7), which keeps a passkey's digits together where SnapKV's average pooling splits them on the default model.
@@ -51,9 +51,9 @@ XKV_BUDGETS = ["uniform", "pyramid", "xkv"]
 XKV_SCORERS = {"snapkv": "SnapKV's scoring (last 64 queries, average pooling over 5)",
                "snapkv:window=8,kernel=7,pooling=max": "FastKV's scoring (last 8 queries, max pooling over 7)"}
 XKV_LENGTHS = [4096]
-#: The routing step's spec (epicache's defaults; the ratio does not change the routing) and how many tokens past
-#: a segment its fact's digits may spill.
-ROUTED, FACT_SPILL = "epicache:ratio=0.75", 12
+#: The routing step's specs (epicache's defaults with each segment space; the ratio does not change the routing)
+#: and how many tokens past a segment its fact's digits may spill.
+ROUTED, FACT_SPILL = ["epicache:ratio=0.75", "epicache:ratio=0.75,embedding=states"], 12
 #: The issue's targets: epicache's kept share at 4x on Qwen; its lead over the best other method at 6x, and
 #: XKV's over uniform and pyramid budgets at 90% removed (percentage points of accuracy).
 EPICACHE_KEPT, EPICACHE_LEAD, XKV_LEAD = 0.90, 0.10, 0.05
@@ -97,29 +97,32 @@ def grid(step: str, samples: int):
 
 
 def routing(loaded: tuple, label: str, samples: int) -> None:
-    """The ``routing`` step's rows into its working file: for each conversation prompt, the episode its question is
-    routed to and the one holding the asked fact (the first segment whose text, with the next few tokens, holds it)."""
+    """The ``routing`` step's rows into its working file: for each conversation prompt and segment space, the
+    episode its question is routed to and the one holding the asked fact (the first segment whose text, with the
+    next few tokens, holds it)."""
     from kvopt.eval.runner import depth_values
     from kvopt.eval.tasks.build import build_sample, format_prompt
     from kvopt.methods import parse
-    from kvopt.methods.epicache import embed, kmeans, plan_conversation, route
+    from kvopt.methods.epicache import kmeans, plan_conversation, route
 
-    (method,) = parse(ROUTED)
     model, tokenizer = loaded
     rows = []
-    for length in CONVERSATION_LENGTHS:
-        for depth in depth_values(CONVERSATION_DEPTHS):
-            for index in range(samples):
-                sample = build_sample("conversation", tokenizer, length, depth=depth, index=index)
-                ids = [token for part in format_prompt(tokenizer, sample, True) for token in part]
-                plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
-                points = embed(model, [ids[start:stop] for start, stop in plan.segments] + [ids[plan.question_start :]])
-                labels, centroids = kmeans(points[:-1], min(method.episodes, len(plan.segments)))
-                fact = next(i for i, (start, stop) in enumerate(plan.segments)
-                            if sample.answers[0] in tokenizer.decode(ids[start : stop + FACT_SPILL]))  # fmt: skip
-                rows.append({"model": label, "method": ROUTED, "length": length, "depth": depth, "sample": index,
-                             "segments": len(plan.segments), "episodes": len(centroids),
-                             "routed": route(points[-1], centroids), "fact_episode": int(labels[fact])})  # fmt: skip
+    for spec in ROUTED:
+        (method,) = parse(spec)
+        for length in CONVERSATION_LENGTHS:
+            for depth in depth_values(CONVERSATION_DEPTHS):
+                for index in range(samples):
+                    sample = build_sample("conversation", tokenizer, length, depth=depth, index=index)
+                    ids = [token for part in format_prompt(tokenizer, sample, True) for token in part]
+                    plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
+                    space, points = method.space(model, [ids[start:stop] for start, stop in plan.segments])
+                    labels, centroids = kmeans(points, min(method.episodes, len(plan.segments)))
+                    fact = next(i for i, (start, stop) in enumerate(plan.segments)
+                                if sample.answers[0] in tokenizer.decode(ids[start : stop + FACT_SPILL]))  # fmt: skip
+                    routed = route(space.points(model, [ids[plan.question_start :]])[0], centroids)
+                    rows.append({"model": label, "method": canonical(spec), "length": length, "depth": depth,
+                                 "sample": index, "segments": len(plan.segments), "episodes": len(centroids),
+                                 "routed": routed, "fact_episode": int(labels[fact])})  # fmt: skip
     path = work_file(label, "routing")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -4,6 +4,8 @@ does; bad input is one line each."""
 
 import copy
 import itertools
+import json
+import math
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from kvopt.cache.attention import prepare
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.eval.tasks import build_sample, format_prompt
-from kvopt.methods.epicache import INSTRUCTION, EpiCache, embed, kmeans, plan_conversation, route
+from kvopt.methods.epicache import INSTRUCTION, EpiCache, kmeans, plan_conversation, route
+from kvopt.methods.segment_spaces import StatesSpace, TfidfSpace, space_from_state
 from kvopt.models.forward import cache_kwargs
 
 
@@ -70,7 +73,7 @@ def test_text_without_line_breaks_is_cut_into_fixed_blocks(tokenizer):
 
 
 # -- embeddings, clustering, routing ----------------------------------------------------------------
-def test_embeddings_are_the_middle_layer_mean_centred_and_normalised(tokenizer):
+def test_states_are_the_middle_layer_mean_centred_on_the_history_and_normalised(tokenizer):
     model = tiny(tokenizer, layers=4, kv_heads=2)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
@@ -84,7 +87,43 @@ def test_embeddings_are_the_middle_layer_mean_centred_and_normalised(tokenizer):
     pooled = torch.stack(pooled)
     centred = pooled - pooled[:-1].mean(dim=0)
     expected = centred / centred.norm(dim=-1, keepdim=True)
-    torch.testing.assert_close(embed(model, pieces), expected, atol=1e-5, rtol=1e-5)
+    space, points = StatesSpace.fit(model, pieces[:-1])  # the history's segments; then a question placed in it
+    torch.testing.assert_close(torch.cat([points, space.points(model, pieces[-1:])]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tfidf_is_log_counts_times_smoothed_idf_over_the_segments():
+    """Written out with dicts: a token's weight in a piece is (1 + ln count) * ln((1 + n) / (1 + df)), df over the
+    history's n segments; tokens the history never saw count nothing; rows are unit vectors."""
+    segments = [[5, 5, 9, 2], [9, 3, 3, 3], [7, 9, 5], [2, 8]]
+    pieces = [*segments, [3, 3, 7, 40, 40], [40, 41]]
+    df = {t: sum(t in segment for segment in segments) for t in {t for segment in segments for t in segment}}
+    vocabulary = sorted(df)
+    expected = []
+    for piece in pieces:
+        row = [(1 + math.log(piece.count(t))) * math.log(5 / (1 + df[t])) if t in piece else 0.0 for t in vocabulary]
+        norm = math.sqrt(sum(v * v for v in row))
+        expected.append([v / norm if norm else 0.0 for v in row])
+    space, points = TfidfSpace.fit(None, segments)
+    assert space.tokens.tolist() == vocabulary and space.dim == len(vocabulary)
+    torch.testing.assert_close(torch.cat([points, space.points(None, pieces[4:])]), torch.tensor(expected))
+    again = space_from_state(json.loads(json.dumps(space.state())))  # as a session file carries it
+    assert torch.equal(again.points(None, pieces), space.points(None, pieces))
+
+
+def test_tfidf_routes_the_task_questions_to_their_facts_episode(tokenizer):
+    """TF-IDF needs no model weights, so the real tokenizer shows what it does on the long-conversation task: the
+    question names its topic's words, and the episode holding the asked fact is the one it reaches."""
+    method = EpiCache(ratio=0.75)
+    hits = 0
+    for index, depth in enumerate((0.1667, 0.5, 0.8333, 0.1667, 0.5, 0.8333)):
+        sample = build_sample("conversation", tokenizer, 4096, depth=depth, index=index)
+        ids = [token for part in format_prompt(tokenizer, sample, True) for token in part]
+        plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
+        space, points = method.space(None, [ids[a:b] for a, b in plan.segments])
+        labels, centroids = kmeans(points, method.episodes)
+        fact = next(i for i, (a, b) in enumerate(plan.segments) if sample.answers[0] in tokenizer.decode(ids[a : b + 12]))
+        hits += route(space.points(None, [ids[plan.question_start :]])[0], centroids) == int(labels[fact])
+    assert hits >= 5  # chance is 1 in 4
 
 
 def test_kmeans_finds_the_least_inertia_partition():
@@ -125,9 +164,10 @@ def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[i
     plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
     history = plan.question_start
     budget = int(n * (1 - method.ratio)) - (n - history)
-    points = embed(model, [ids[a:b] for a, b in plan.segments] + [ids[history:]])
-    labels, centroids = kmeans(points[:-1], method.episodes)
-    dots = [float(centroid @ points[-1]) for centroid in centroids]
+    space, points = method.space(model, [ids[a:b] for a, b in plan.segments])  # each space's own test checks it
+    labels, centroids = kmeans(points, method.episodes)
+    query = space.points(model, [ids[history:]])[0]
+    dots = [float(centroid @ query) for centroid in centroids]
     episode = dots.index(max(dots))
     members = [i for i in range(len(plan.segments)) if labels[i] == episode]
     nearest = sorted(members, key=lambda i: -float(points[i] @ centroids[episode]))[: method.medoids]
@@ -159,11 +199,11 @@ def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[i
     return kept + list(range(history, n))
 
 
-@pytest.mark.parametrize("block", [256, 5000])
-def test_kept_tokens_match_the_slow_reference(tokenizer, block):
+@pytest.mark.parametrize("block, embedding", [(256, "tfidf"), (5000, "tfidf"), (256, "states")])
+def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding):
     model = tiny(tokenizer, layers=1, kv_heads=1, seed=2)
     ids = conversation(tokenizer, depth=0.2)[:-1]
-    method = EpiCache(ratio=0.75, episodes=3, utterances=2, medoids=3, block=block, patch=200)
+    method = EpiCache(ratio=0.75, episodes=3, utterances=2, medoids=3, block=block, patch=200, embedding=embedding)
     cache = kvopt.cache([method], model)
     cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
     (layer,) = cache.layers
@@ -263,6 +303,7 @@ def test_engine_outputs_equal_generate(tokenizer, tiny_with_tokenizer):
         ("epicache:budget=300,block=8", "block=8 must be >= 16"),
         ("epicache:budget=300,utterances=0", "utterances=0 must be >= 1"),
         ("epicache:episodes=4", "give exactly one of ratio"),
+        ("epicache:ratio=0.75,embedding=bert", "embedding='bert' is not a segment space; use one of tfidf, states"),
     ],
 )
 def test_bad_parameters_are_one_line(tiny_with_tokenizer, spec, message):

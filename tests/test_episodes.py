@@ -11,7 +11,7 @@ from kvopt.codec import container
 from kvopt.codec.errors import CacheCorruptError, CacheModelMismatchError
 from kvopt.episodes import EpisodicConversation, episodic_method
 from kvopt.errors import KVOptError
-from kvopt.methods.epicache import centred, plan_conversation, pooled_states, route
+from kvopt.methods.epicache import plan_conversation, route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,8 +38,7 @@ def test_each_episode_holds_its_budget_and_the_question_goes_to_the_nearest_cent
     assert cache.get_seq_length() == start  # the history seen, the question still to feed
     full = 2 * start * model.config.num_key_value_heads * 8 * 4 * 2  # K and V, 2 layers, head_dim 8, fp32
     assert cache.nbytes() < 0.6 * full  # half of the prompt removed (positions held beside)
-    query = centred(pooled_states(model, [question[start:]])[0], conversation.mean)
-    assert episode == route(query, conversation.centroids)
+    assert episode == route(conversation.space.points(model, [question[start:]])[0], conversation.centroids)
     with torch.no_grad():  # the restored episode answers like any cache: feed the question, then decode
         logits = model(torch.tensor([question[start:]]), past_key_values=cache,
                        cache_position=torch.arange(start, len(question))).logits  # fmt: skip
@@ -48,22 +47,46 @@ def test_each_episode_holds_its_budget_and_the_question_goes_to_the_nearest_cent
     assert not conversation.episodes and conversation.history == 0
 
 
-def test_the_episodes_round_trip_through_one_file_and_refuse_another_model_or_damage(tiny_with_tokenizer):
+@pytest.mark.parametrize("embedding", ["tfidf", "states"])
+def test_the_episodes_round_trip_through_one_file_and_refuse_another_model_or_damage(tiny_with_tokenizer, embedding):
     model, tokenizer = tiny_with_tokenizer
     ids = history(tokenizer)
-    conversation = EpisodicConversation(SPEC)
+    conversation = EpisodicConversation(f"{SPEC},embedding={embedding}")
     conversation.consolidate(model, tokenizer, ids)
-    assert conversation.history == len(ids)
+    assert conversation.history == len(ids) and conversation.space.kind == embedding
     data = conversation.to_bytes(model, {"tokens": ids, "messages": []})
     header, chunks = container.unpack(data, "s")
     back = EpisodicConversation.from_header(header, chunks, model, "s")
     assert (back.spec, back.history, back.episodes) == (conversation.spec, len(ids), conversation.episodes)
     assert back.continues(ids + [5]) and not back.continues(ids)  # the digest travels with the episodes
     assert torch.equal(back.centroids, conversation.centroids) and header["meta"]["tokens"] == ids
+    question = tokenizer("User: what value has the river number 3?\n", add_special_tokens=False)["input_ids"]
+    assert torch.equal(back.space.points(model, [question]), conversation.space.points(model, [question]))
     with pytest.raises(CacheModelMismatchError, match="another model"):
         EpisodicConversation.from_header(header, chunks, tiny_model("qwen2"), "s")
-    with pytest.raises(CacheCorruptError, match="damaged"):
-        EpisodicConversation.from_header({**header, "history": None}, chunks, model, "s")
+    other = "states" if embedding == "tfidf" else "tfidf"
+    damaged = [{**header, "history": None}, {**header, "space": {**header["space"], "kind": "bert"}},
+               {**header, "space": {"kind": other, **{k: v for k, v in header["space"].items() if k != "kind"}}},
+               {**header, "centroids": [row[:-1] for row in header["centroids"]]}]  # fmt: skip
+    for bad in damaged:
+        with pytest.raises(CacheCorruptError, match="damaged"):
+            EpisodicConversation.from_header(bad, chunks, model, "s")
+    with pytest.raises(CacheCorruptError, match="format 3, this kvopt reads 2; start a new session"):
+        EpisodicConversation.from_header({**header, "version": 3}, chunks, model, "s")
+
+
+def test_a_format_1_session_routes_by_the_states_it_saved(tiny_with_tokenizer):
+    """Format 1 (before segment spaces) saved the states' mean and no ``embedding=``: it resumes as ``states``."""
+    model, tokenizer = tiny_with_tokenizer
+    ids = history(tokenizer)
+    conversation = EpisodicConversation(f"{SPEC},embedding=states+kivi:bits=4")
+    conversation.consolidate(model, tokenizer, ids)
+    header, chunks = container.unpack(conversation.to_bytes(model, {}), "s")
+    old = {**{k: v for k, v in header.items() if k != "space"}, "version": 1, "mean": header["space"]["mean"],
+           "spec": header["spec"].replace(",embedding=states", "")}  # fmt: skip
+    back = EpisodicConversation.from_header(old, chunks, model, "s")
+    assert back.spec == conversation.spec and back.space.kind == "states"
+    assert torch.equal(back.space.mean, conversation.space.mean) and back.episodes == conversation.episodes
 
 
 def test_a_spec_without_epicache_is_refused():

@@ -94,9 +94,7 @@ class Sessions:
     @staticmethod
     def nbytes(session: Session) -> int:
         """Its episodes' bytes, plus what any session costs (so sessions that never clustered are bounded too)."""
-        conversation = session.conversation
-        vectors = sum(t.numel() * t.element_size() for t in (conversation.mean, conversation.centroids) if t is not None)
-        return SESSION_BYTES + vectors + sum(len(episode) for episode in conversation.episodes)
+        return SESSION_BYTES + session.conversation.nbytes()
 
 
 class EpisodicKV(CacheBackedKV):
