@@ -42,9 +42,10 @@ FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 ATTENTION = {FLASH, "aten::scaled_dot_product_attention", "aten::bmm", "aten::logsumexp", "aten::_softmax"}
 
 
-def limits(repeats: int = 5, read_mb: int = 512) -> dict[str, float]:
-    """This core's fp32 matmul rate (GFLOP/s, a 2048-square mm) and read bandwidth (GB/s, a sum over ``read_mb``)."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+def limits(dtype: torch.dtype = torch.float32, repeats: int = 5, read_mb: int = 512) -> dict[str, float]:
+    """This core's matmul rate in ``dtype`` (GFLOP/s, a 2048-square mm) and read bandwidth (GB/s, a sum over
+    ``read_mb``)."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     big = torch.randn(read_mb * 1024 * 1024 // 4)
 
     def best(work) -> float:
@@ -75,14 +76,14 @@ def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str
     return "other torch ops", 0.0, 0.0
 
 
-def profile(sequences: int, steps: int, kv_memory: str) -> dict:
+def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
     """Time ``steps`` decode steps of ``sequences`` running requests and split each step by op group."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from kvopt.engine import LLM, SamplingParams
 
-    llm = LLM(kv_memory=kv_memory, max_num_seqs=max(sequences, 1))
+    llm = LLM(kv_memory=kv_memory, max_num_seqs=max(sequences, 1), dtype=dtype)
     core = llm.engine
     prompts = serving.real_prompts(llm.tokenizer, sequences, 100, 200, seed=3)
     params = SamplingParams(max_tokens=steps * 4 + 64, ignore_eos=True)
@@ -140,14 +141,17 @@ def main() -> None:
     parser.add_argument("--sequences", default="16,64", help="requests decoding together, comma-separated")
     parser.add_argument("--steps", type=int, default=5, help="decode steps timed, then as many profiled")
     parser.add_argument("--kv-memory", default="1GB")
+    parser.add_argument("--dtype", default="fp32", help="the model's and KV's dtype: fp32, bf16 or auto (kvopt.LLM's)")
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     parser.add_argument("--results", type=Path, default=ROWS.parent)
     args = parser.parse_args()
-    measured = limits()
+    from kvopt.models.cpu_features import model_dtype
+
+    measured = limits(model_dtype(args.dtype, None) or torch.float32)
     print(measured, flush=True)
     rows = []
     for count in (int(part) for part in args.sequences.split(",")):
-        row = profile(count, args.steps, args.kv_memory) | {"limits": measured, "date": time.strftime("%Y-%m-%d"),
+        row = profile(count, args.steps, args.kv_memory, args.dtype) | {"limits": measured, "date": time.strftime("%Y-%m-%d"),
                                                            "torch": torch.__version__}  # fmt: skip
         if args.conditions:
             row["conditions"] = args.conditions
@@ -165,7 +169,7 @@ def render(rows: list[dict]) -> str:
              opening("python benchmarks/decode_profile.py", row_dates(ROWS), ROWS), "",
              "The default model, `full` KV, prompts of 100-200 tokens; each op's self time per decode step, from "
              "`torch.profiler`. The limits are measured in each table's own run, just before it: the matmul rate of a "
-             "2048-square fp32 `torch.mm` and the read bandwidth of a `sum` over 512 MB. A share of a limit is the "
+             "2048-square `torch.mm` in the model's dtype and the read bandwidth of a `sum` over 512 MB. A share of a limit is the "
              "op's rate over it: the matmuls are bounded by arithmetic, attention by the keys and values it reads.",
              ""]  # fmt: skip
     for row in sorted(rows, key=lambda row: row["sequences"]):

@@ -1,0 +1,50 @@
+"""benchmarks/llamacpp.py's report: each workload's rows set against kvopt.LLM's fastest run, and a run's rows replace
+only rows of the same setting (the bindings are not needed for either)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import llamacpp  # noqa: E402
+
+
+def row(system, weights, kv, parallel, tok_s, **more):
+    return {"step": "batched", "system": system, "weights": weights, "kv": kv, "parallel": parallel, "requests": 16,
+            "prompt_range": "100-200", "new_tokens": 256, "prompt_tokens": 2638, "seconds": 16 * 256 / tok_s,
+            "tok_s": tok_s, "threads": 1, "conditions": "one thread"} | more  # fmt: skip
+
+
+def test_each_row_is_set_against_the_fastest_kvopt_run():
+    rows = [row("kvopt.LLM fp32", "float32", "float32", 16, 50.0), row("kvopt.LLM auto", "bfloat16", "bfloat16", 16, 100.0),
+            row("llama.cpp", "F16", "f16", 16, 80.0, compared_with="kvopt.LLM fp32", same_as_kvopt=15)]  # fmt: skip
+    text = llamacpp.render(rows)
+    assert "| system | weights | KV | parallel | wall time | output tok/s | kvopt.LLM auto vs this |" in text
+    assert "| kvopt.LLM fp32 | float32 | float32 | 16 | 82 s | 50.0 | 2.00x | – |" in text
+    assert "| kvopt.LLM auto | bfloat16 | bfloat16 | 16 | 41 s | 100.0 | – | – |" in text
+    assert "| llama.cpp | F16 | f16 | 16 | 51 s | 80.0 | 1.25x | 15/16 `kvopt.LLM fp32` |" in text
+
+
+def test_a_run_replaces_only_rows_of_its_setting(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    old = [row("kvopt.LLM auto", "bfloat16", "bfloat16", 16, 90.0), row("llama.cpp", "F16", "f16", 16, 80.0),
+           row("llama.cpp", "F16", "f16", 8, 70.0)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    llamacpp.save(path, [row("llama.cpp", "F16", "f16", 16, 85.0)])
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["system"], r["parallel"], r["tok_s"]) for r in kept] == [
+        ("kvopt.LLM auto", 16, 90.0), ("llama.cpp", 8, 70.0), ("llama.cpp", 16, 85.0)]
+
+
+def test_single_requests_list_every_system_by_length():
+    rows = [{"step": "single", "system": "llama.cpp", "weights": "F16", "kv": "f16", "length": 2048, "prefill_tok_s": 300.0,
+             "decode_tok_s": 40.0, "threads": 1},
+            {"step": "single", "system": "kvopt.LLM auto", "weights": "bfloat16", "kv": "bfloat16", "length": 512,
+             "prefill_tok_s": 900.0, "decode_tok_s": 35.5, "threads": 1, "conditions": "one thread"}]  # fmt: skip
+    text = llamacpp.render(rows)
+    table = text[text.index("| system | weights | KV | prompt tokens |") :].splitlines()
+    assert table[2:4] == ["| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 900.0 | 35.5 |",
+                          "| llama.cpp | F16 | f16 | 2,048 | 300.0 | 40.0 |"]  # fmt: skip
+    assert "Measured with one thread." in text
