@@ -2,6 +2,7 @@
 each kind of op runs from what the core can do (issue 36).
 
     python benchmarks/decode_profile.py                       # 16 and 64 sequences, default model, 1 thread
+    python benchmarks/decode_profile.py --dtype auto --sequences 16   # bf16 where the CPU computes it
     python benchmarks/decode_profile.py --sequences 4 --steps 2 --results /tmp/profile   # a smoke run (a minute)
 
 The limits are measured in the same process, just before: the core's fp32 matrix-multiply rate (a 2048 x 2048
@@ -16,7 +17,7 @@ the matmuls and attention, FLOPs come from the shapes and bytes from what they m
 values), so each row says its GFLOP/s and GB/s and their share of the measured limits.
 
 Rows: ``benchmarks/results/decode_profile.jsonl`` (``--results``); a run's rows replace those of the same
-sequence count.
+sequence count and dtype.
 """
 
 from __future__ import annotations
@@ -127,11 +128,16 @@ def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
                        for group, total in totals.items()}}  # fmt: skip
 
 
+def setting(row: dict) -> tuple:
+    """What a row measured: its sequence count and dtype (rows from before the dtype was recorded: float32)."""
+    return row["sequences"], row.get("dtype", "float32")
+
+
 def save(path: Path, rows: list[dict]) -> None:
-    """Append ``rows``, replacing earlier rows of the same sequence count."""
+    """Append ``rows``, replacing earlier rows of the same :func:`setting`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    counts = {row["sequences"] for row in rows}
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["sequences"] not in counts] \
+    measured = {setting(row) for row in rows}
+    kept = [line for line in path.read_text().splitlines() if line.strip() and setting(json.loads(line)) not in measured] \
         if path.exists() else []  # fmt: skip
     path.write_text("".join(f"{line}\n" for line in [*kept, *(json.dumps(row) for row in rows)]))
 
@@ -172,9 +178,9 @@ def render(rows: list[dict]) -> str:
              "2048-square `torch.mm` in the model's dtype and the read bandwidth of a `sum` over 512 MB. A share of a limit is the "
              "op's rate over it: the matmuls are bounded by arithmetic, attention by the keys and values it reads.",
              ""]  # fmt: skip
-    for row in sorted(rows, key=lambda row: row["sequences"]):
+    for row in sorted(rows, key=setting):
         limit = row["limits"]
-        lines += [f"### {row['sequences']} sequences decoding (context ~{row['context_tokens']} tokens): "
+        lines += [f"### {row['sequences']} sequences decoding in {setting(row)[1]} (context ~{row['context_tokens']} tokens): "
                   f"{row['step_ms']:.0f} ms per step, {row['tok_s']:.1f} tok/s ({row['profiled_step_ms']:.0f} ms "
                   "under the profiler, whose cost per op lands mostly on the small ops)", "",
                   f"Limits in this run: matmul {limit['matmul_gflops']} GFLOP/s, read {limit['read_gbs']} GB/s; "

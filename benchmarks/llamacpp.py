@@ -248,8 +248,8 @@ def single(args, lib, tokenizer) -> list[dict]:
 
 
 def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
-    """kvopt.LLM on the same single prompts: prefill tok/s from a one-token request, decode tok/s from the time
-    ``--new-tokens`` more take (prefix caching off, so each request computes its prompt)."""
+    """kvopt.LLM on the same single prompts: prefill tok/s from a one-token request, decode tok/s from the time a
+    ``--new-tokens`` request takes beyond it (prefix caching off, so each request computes its prompt)."""
     from kvopt.engine import LLM
 
     llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False)
@@ -258,7 +258,7 @@ def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
     for length in _ints(args.lengths):
         (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
         timed = {}
-        for tokens in (1, 1 + args.new_tokens):
+        for tokens in (1, args.new_tokens):
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
@@ -267,7 +267,7 @@ def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
             timed[tokens] = statistics.median(times)
         rows.append({"step": "single", "system": f"kvopt.LLM {dtype}", "weights": kv, "kv": kv, "length": length,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                     "prefill_tok_s": length / timed[1], "decode_tok_s": args.new_tokens / (timed[1 + args.new_tokens] - timed[1]),
+                     "prefill_tok_s": length / timed[1], "decode_tok_s": (args.new_tokens - 1) / (timed[args.new_tokens] - timed[1]),
                      "conditions": args.conditions})  # fmt: skip
         print(json.dumps(rows[-1]))
     return rows

@@ -49,3 +49,14 @@ def test_the_section_states_rates_against_the_limits():
 def test_the_limits_are_positive_rates():
     limits = decode_profile.limits(repeats=1, read_mb=16)
     assert limits["matmul_gflops"] > 0 and limits["read_gbs"] > 0
+
+
+def test_a_run_replaces_only_rows_of_its_sequence_count_and_dtype(tmp_path):
+    import json
+
+    path = tmp_path / "rows.jsonl"
+    old = [{"sequences": 16, "step_ms": 1.0}, {"sequences": 16, "dtype": "bfloat16", "step_ms": 2.0},
+           {"sequences": 64, "dtype": "float32", "step_ms": 3.0}]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in old))
+    decode_profile.save(path, [{"sequences": 16, "dtype": "float32", "step_ms": 4.0}])
+    assert [json.loads(line)["step_ms"] for line in path.read_text().splitlines()] == [2.0, 3.0, 4.0]
