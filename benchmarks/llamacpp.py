@@ -493,6 +493,11 @@ def _batched_table(rows: list[dict]) -> list[str]:
         ratio = f"{ours['tok_s'] / r['tok_s']:.2f}x" if ours and r is not ours else "–"
         lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
                      f"{r['tok_s']:.1f} | {ratio} | {same} |")  # fmt: skip
+    theirs = max((row for row in rows if row["system"] == "llama.cpp"), key=lambda row: row["tok_s"], default=None)
+    if ours and theirs:
+        lines += ["", f"kvopt.LLM's fastest run (`{ours['system'].removeprefix('kvopt.LLM ')}`) against llama.cpp's "
+                      f"fastest ({theirs['weights']}, {theirs['parallel']} at a time): "
+                      f"{ours['tok_s'] / theirs['tok_s']:.2f}x the output tokens per second."]  # fmt: skip
     return lines + conditions_line(rows) + [""]
 
 

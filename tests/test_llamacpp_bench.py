@@ -25,6 +25,7 @@ def test_each_row_is_set_against_the_fastest_kvopt_run():
     assert "| kvopt.LLM fp32 | float32 | float32 | 16 | 82 s | 50.0 | 2.00x | – |" in text
     assert "| kvopt.LLM auto | bfloat16 | bfloat16 | 16 | 41 s | 100.0 | – | – |" in text
     assert "| llama.cpp | F16 | f16 | 16 | 51 s | 80.0 | 1.25x | 15/16 `kvopt.LLM fp32` |" in text
+    assert "kvopt.LLM's fastest run (`auto`) against llama.cpp's fastest (F16, 16 at a time): 1.25x" in text
 
 
 def test_a_run_replaces_only_rows_of_its_setting(tmp_path):
