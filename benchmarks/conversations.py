@@ -204,7 +204,7 @@ def _conversation_part(model: str, rows: list[dict]) -> list[str]:
         + " | ".join(f"{n} topic answered" for n in names) + " | KV MB |",
         "|---|---|---|---|" + "---|" * len(names) + "---:|",
     ]
-    for spec, group in by_method.items():
+    for spec, group in sorted(by_method.items(), key=lambda item: _table_order(item[0], item[1][0].get("ratio"))):
         ratio = group[0].get("ratio")
         compression = next((f"{c}x" for c, r in COMPRESSIONS.items() if ratio is not None and abs(ratio - r) < 1e-3), "1x")
         kept = _cell(retention(group, full)) if spec != "full" else ""
@@ -214,6 +214,14 @@ def _conversation_part(model: str, rows: list[dict]) -> list[str]:
                      + " | ".join(by_depth) + f" | {peak:.1f} |")  # fmt: skip
     lines += ["", *_conversation_verdicts(by_method, full), *conditions_line(rows), ""]
     return lines
+
+
+def _table_order(spec: str, ratio: float | None) -> tuple:
+    """``full`` first, then by compression, each method in ``CONVERSATION_METHODS``' order (its other settings,
+    such as ``embedding=states``, after it)."""
+    name = spec.partition(":")[0]
+    names = [method.partition(":")[0] for method in CONVERSATION_METHODS]
+    return (ratio or 0.0, names.index(name) if name in names else len(names), "embedding=" in spec, spec)
 
 
 def _conversation_verdicts(by_method: dict[str, list[dict]], full: list[dict]) -> list[str]:

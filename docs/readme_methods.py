@@ -27,6 +27,7 @@ CUT_TIME = "methods-that-cut-time-fastkv-prefill-rocketkv-decode-treekv-streamin
 TWO_BIT = "2-bit-kv-kvquant-and-aquakv-pre-rope-keys-non-uniform-levels-exact-outliers-cross-layer-prediction"
 BYTES = "measured-kv-bytes-vs-the-theoretical-size-4096-token-prefill"
 SHARE = "share-of-the-full-caches-answers-kept"
+CONVERSATIONS = "long-conversations-epicache-and-measured-layer-budgets-xkv"
 
 #: One number per method: (what was measured, on which model, BENCHMARKS.md anchor).
 HEADLINES = {
@@ -54,6 +55,8 @@ HEADLINES = {
     "mixedkv": ("83% [52–96] of `full`'s answers kept (query-agnostic)", "SmolLM2-135M", SHARE),
     "minikv": ("0.110x `full`'s fp32 bytes", "SmolLM2-135M", BYTES),
     "minicache": ("`minicache+kivi`: 0.151x `full`'s fp32 bytes", "SmolLM2-135M", BYTES),
+    "epicache": ("long conversations at 4k, 4x: 67% [35–88] of `full`'s answers kept, routed by TF-IDF (`kvzip` 100%)",
+                 "SmolLM2-135M", CONVERSATIONS),
 }
 
 
