@@ -172,7 +172,7 @@ def render(rows: list[dict]) -> str:
     """Markdown for the committed rows (``committed_section`` in benchmarks/run.py)."""
     threads = "/".join(str(count) for count in sorted({row["threads"] for row in rows}))
     lines = [f"## A decode step against this CPU's limits ({threads} thread)", "",
-             opening("python benchmarks/decode_profile.py", row_dates(ROWS), ROWS), "",
+             opening("python benchmarks/decode_profile.py [--dtype auto]", row_dates(ROWS), ROWS), "",
              "The default model, `full` KV, prompts of 100-200 tokens; each op's self time per decode step, from "
              "`torch.profiler`. The limits are measured in each table's own run, just before it: the matmul rate of a "
              "2048-square `torch.mm` in the model's dtype and the read bandwidth of a `sum` over 512 MB. A share of a limit is the "
@@ -180,7 +180,7 @@ def render(rows: list[dict]) -> str:
              ""]  # fmt: skip
     for row in sorted(rows, key=setting):
         limit = row["limits"]
-        lines += [f"### {row['sequences']} sequences decoding in {setting(row)[1]} (context ~{row['context_tokens']} tokens): "
+        lines += [f"### {row['sequences']} sequence{'s' if row['sequences'] != 1 else ''} decoding in {setting(row)[1]} (context ~{row['context_tokens']} tokens): "
                   f"{row['step_ms']:.0f} ms per step, {row['tok_s']:.1f} tok/s ({row['profiled_step_ms']:.0f} ms "
                   "under the profiler, whose cost per op lands mostly on the small ops)", "",
                   f"Limits in this run: matmul {limit['matmul_gflops']} GFLOP/s, read {limit['read_gbs']} GB/s; "
@@ -210,8 +210,10 @@ def _reading(row: dict, total: float) -> str:
     seconds = sum(group["ms"] for group in matmuls) / 1000
     rate = sum(group["gflop"] for group in matmuls) / seconds if seconds else 0.0
     small = groups["other torch ops"]["ms"] + groups["outside torch ops"]["ms"]
+    read = sum(group["mb"] for group in matmuls) / 1000 / seconds if seconds else 0.0
     return (f"The matmuls take {1000 * seconds / total:.0%} of the profiled step at {rate:.1f} GFLOP/s, "
-            f"{rate / limit:.0%} of what a large matmul reaches on this core; attention "
+            f"{rate / limit:.0%} of what a large matmul reaches on this core, reading their weights at {read:.1f} GB/s "
+            f"({read / row['limits']['read_gbs']:.0%} of the bandwidth); attention "
             f"{groups['attention']['ms'] / total:.0%}; the many small ops and Python {small / total:.0%} (the profiler's "
             f"own cost, {row['profiled_step_ms'] - row['step_ms']:.0f} ms per step, lands mostly there).")
 
