@@ -43,10 +43,13 @@ def test_the_conversation_table_pairs_with_full_and_states_the_targets():
     # epicache answers the late topic full misses: no credit for it (kept 2 of full's 2)
     assert "| 4x | `epicache:ratio=0.75` | 100% [44–100] (n=3) | 100% [34–100] of 2 | 1/1 | 1/1 | 1/1 | 4.0 |" in text
     assert "| 4x | `snapkv:ratio=0.75` | 33% [6–79] (n=3) | 50% [9–91] of 2 | 0/1 | 1/1 | 0/1 | 4.0 |" in text
-    assert "keeps 100% of `full`'s answers (target ≥ 90%: holds)" in text
+    assert "keeps 100% of `full`'s answers (target ≥ 90%: not judged yet: 3 of 24 conversations)" in text
     assert "`snapkv:ratio=0.75`, keeps 50%: a lead of +50 points" in text
     assert "6x: the better epicache (`epicache:ratio=0.8333`) keeps 50%" in text
-    assert "a lead of +50 points (target ≥ +10: holds)" in text
+    assert "a lead of +50 points (target ≥ +10: not judged yet: 3 of 24 conversations)" in text
+    # a complete cell (24 conversations, each repeated here 8 times) is judged
+    complete = conversations.render([{**r, "sample": sample} for r in rows for sample in range(8)])
+    assert "(target ≥ 90%: holds)" in complete and "(target ≥ +10: holds)" in complete
 
 
 def test_the_xkv_table_compares_budgets_at_the_same_ratio():
