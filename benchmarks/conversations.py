@@ -105,7 +105,7 @@ def routing(loaded: tuple, label: str, samples: int) -> None:
     from kvopt.eval.runner import depth_values
     from kvopt.eval.tasks.build import build_sample, format_prompt
     from kvopt.methods import parse
-    from kvopt.methods.epicache import kmeans, plan_conversation, route
+    from kvopt.methods.epicache import plan_conversation, route
 
     model, tokenizer = loaded
     rows = []
@@ -117,8 +117,7 @@ def routing(loaded: tuple, label: str, samples: int) -> None:
                     sample = build_sample("conversation", tokenizer, length, depth=depth, index=index)
                     ids = [token for part in format_prompt(tokenizer, sample, True) for token in part]
                     plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
-                    space, points = method.space(model, [ids[start:stop] for start, stop in plan.segments])
-                    labels, centroids = kmeans(points, min(method.episodes, len(plan.segments)))
+                    space, _, labels, centroids = method.cluster(model, [ids[start:stop] for start, stop in plan.segments])
                     fact = next(i for i, (start, stop) in enumerate(plan.segments)
                                 if sample.answers[0] in tokenizer.decode(ids[start : stop + FACT_SPILL]))  # fmt: skip
                     routed = route(space.points(model, [ids[plan.question_start :]])[0], centroids)

@@ -17,7 +17,7 @@ from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.eval.tasks import build_sample, format_prompt
 from kvopt.methods.epicache import INSTRUCTION, EpiCache, kmeans, plan_conversation, route
-from kvopt.methods.segment_spaces import StatesSpace, TfidfSpace, space_from_state
+from kvopt.methods.segment_spaces import SPACES, StatesSpace, TfidfSpace, space_from_state
 from kvopt.models.forward import cache_kwargs
 
 
@@ -119,8 +119,7 @@ def test_tfidf_routes_the_task_questions_to_their_facts_episode(tokenizer):
         sample = build_sample("conversation", tokenizer, 4096, depth=depth, index=index)
         ids = [token for part in format_prompt(tokenizer, sample, True) for token in part]
         plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
-        space, points = method.space(None, [ids[a:b] for a, b in plan.segments])
-        labels, centroids = kmeans(points, method.episodes)
+        space, _, labels, centroids = method.cluster(None, [ids[a:b] for a, b in plan.segments])
         fact = next(i for i, (a, b) in enumerate(plan.segments) if sample.answers[0] in tokenizer.decode(ids[a : b + 12]))
         hits += route(space.points(None, [ids[plan.question_start :]])[0], centroids) == int(labels[fact])
     assert hits >= 5  # chance is 1 in 4
@@ -164,7 +163,7 @@ def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[i
     plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
     history = plan.question_start
     budget = int(n * (1 - method.ratio)) - (n - history)
-    space, points = method.space(model, [ids[a:b] for a, b in plan.segments])  # each space's own test checks it
+    space, points = SPACES[method.embedding].fit(model, [ids[a:b] for a, b in plan.segments])  # each space's own test
     labels, centroids = kmeans(points, method.episodes)
     query = space.points(model, [ids[history:]])[0]
     dots = [float(centroid @ query) for centroid in centroids]

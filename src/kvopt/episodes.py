@@ -39,7 +39,7 @@ from kvopt.codec.fingerprint import check_fingerprint, model_fingerprint
 from kvopt.codec.session import cache_bytes, cache_from_bytes
 from kvopt.errors import KVOptError
 from kvopt.methods import canonical_spec, parse, spec_text
-from kvopt.methods.epicache import INSTRUCTION, EpiCache, compress_blockwise, kmeans, patched_prompt, plan_conversation, route
+from kvopt.methods.epicache import INSTRUCTION, EpiCache, compress_blockwise, patched_prompt, plan_conversation, route
 from kvopt.methods.segment_spaces import SegmentSpace, StatesSpace, space_from_state
 from kvopt.methods.recording import record_prefill
 
@@ -86,8 +86,7 @@ class EpisodicConversation:
     def consolidate(self, model, tokenizer, ids: list[int]) -> None:
         """Build one compressed cache per episode of ``ids`` (the whole history, ending after an answer)."""
         plan = plan_conversation(ids, tokenizer, self.method.utterances, window=0)
-        space, points = self.method.space(model, [ids[start:stop] for start, stop in plan.segments])
-        labels, centroids = kmeans(points, min(self.method.episodes, len(plan.segments)))
+        space, points, labels, centroids = self.method.cluster(model, [ids[start:stop] for start, stop in plan.segments])
         recorded, _ = record_prefill(model, torch.as_tensor([ids], device=model.device), logits_to_keep=1)
         instruction = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"]
         episodes = []

@@ -126,16 +126,17 @@ class EpiCache(LayerBudgets):
             return  # the whole history fits
         prompt = []
         if any(budgets):
-            space, points = self.space(model, [ids[start:stop] for start, stop in plan.segments])
-            labels, centroids = kmeans(points, min(self.episodes, len(plan.segments)))
+            space, points, labels, centroids = self.cluster(model, [ids[start:stop] for start, stop in plan.segments])
             episode = route(space.points(model, [ids[question:]])[0], centroids)
             patched = patched_prompt(ids, plan.segments, points, labels, centroids, episode, self.medoids, self.patch)
             prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + patched
         compress_blockwise(cache, model, ids, question, budgets, prompt, self.block)
 
-    def space(self, model, segments: list[list[int]]) -> tuple[SegmentSpace, torch.Tensor]:
-        """The ``embedding=`` space fitted on the history's ``segments``, and their points."""
-        return SPACES[self.embedding].fit(model, segments)
+    def cluster(self, model, segments: list[list[int]]) -> tuple[SegmentSpace, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(space, points, labels, centroids)``: the ``embedding=`` space fitted on the history's ``segments``,
+        their points in it, and their k-means into at most ``episodes`` episodes."""
+        space, points = SPACES[self.embedding].fit(model, segments)
+        return space, points, *kmeans(points, min(self.episodes, len(segments)))
 
     def layer_targets(self, layers, tokens: int) -> list[int]:
         """Prompt tokens each layer keeps (question included), shared by ``budgets=``; each layer records its equal
