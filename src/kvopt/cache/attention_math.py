@@ -287,5 +287,6 @@ def cpu_flash_available(query: torch.Tensor) -> bool:
 
 
 def cpu_flash(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, lse)`` of unmasked attention, fp32 ``[B, H, q, D]`` inputs with equal head counts."""
+    """``(output, lse)`` of unmasked attention over ``[B, H, q, D]`` inputs of one dtype with equal head counts:
+    the output in that dtype, the log-sum-exp in fp32 (bf16 inputs accumulate in fp32 inside the kernel)."""
     return _CPU_FLASH(query, keys, values, scale=scale)[:2]

