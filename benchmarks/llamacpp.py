@@ -19,7 +19,8 @@ with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and 
   its slot takes the next request. ``--kvopt fp32,auto`` runs kvopt.LLM on the same prompts in the same process
   (rows side by side; ``same_as_kvopt`` counts requests whose tokens equal the first kvopt dtype's), and each
   ``--kvopt-method DTYPE=SPEC`` once more with that compressed ``kv_method`` (e.g. ``auto=kvzip:ratio=0.75+kivi:bits=4``
-  at 4k-token prompts, where a compressed sequence's smaller KV lets more of them run at once).
+  at 4k-token prompts, where a compressed sequence's smaller KV lets more of them run at once). ``--hf fp32,auto``
+  adds plain transformers in those dtypes: static batches of 8, and ``--hf-sequential`` requests one at a time.
 
 Rows: ``benchmarks/results/llamacpp/rows.jsonl`` (``--results``); a run's rows replace those of the same setting.
 """
@@ -219,7 +220,7 @@ def prefill(context: Context, prompt: list[int]) -> int:
 
 def single(args, lib, tokenizer) -> list[dict]:
     rows = [row for dtype in filter(None, args.kvopt.split(",")) for row in kvopt_single(args, dtype, tokenizer)]
-    for name, path in weight_files(args.weights.split(",")).items():
+    for name, path in weight_files(list(filter(None, args.weights.split(",")))).items():
         model = load_weights(lib, path)
         for kv in args.kv.split(","):
             for length in _ints(args.lengths):
@@ -337,8 +338,15 @@ def batched(args, lib, tokenizer) -> list[dict]:
         reference = reference or (row["system"], tokens)
         rows.append(base | row)
         print(json.dumps(rows[-1]))
+    for dtype in filter(None, args.hf.split(",")):
+        for row, tokens in hf_runs(prompts, args.new_tokens, dtype, args):
+            row = base | row | {"ran": len(tokens)}  # HF one at a time runs the first --hf-sequential only
+            if reference:
+                row |= {"compared_with": reference[0], "same_as_kvopt": sum(a == b for a, b in zip(tokens, reference[1]))}
+            rows.append(row)
+            print(json.dumps(rows[-1]))
     longest = max(map(len, prompts)) + args.new_tokens
-    for name, path in weight_files(args.weights.split(",")).items():
+    for name, path in weight_files(list(filter(None, args.weights.split(",")))).items():
         model = load_weights(lib, path)
         for kv in args.kv.split(","):
             for parallel in _ints(args.parallel):
@@ -388,6 +396,34 @@ def kvopt_run(prompts: list[list[int]], new_tokens: int, dtype: str, spec: str, 
     return row, [out.outputs[0].token_ids for out in outputs]
 
 
+def hf_runs(prompts: list[list[int]], new_tokens: int, dtype: str, args):
+    """Plain transformers as a user loads it (``from_pretrained`` in ``dtype``, SDPA attention, no kvopt): static
+    batches of 8, then ``--hf-sequential`` requests one at a time; yields each run's row and tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from kvopt.models.cpu_features import model_dtype
+    from kvopt.models.loading import resolve_model_dir
+
+    weights = model_dtype(dtype, None)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=weights, attn_implementation="sdpa",
+                                                 local_files_only=True).eval()  # fmt: skip
+    name = str(model.dtype).removeprefix("torch.")
+    pad = model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    runs = [("HF static batches of 8", prompts, serving.hf_static_batches, 8),
+            ("HF one at a time", prompts[: args.hf_sequential], serving.hf_one_at_a_time, 1)]
+    for system, chosen, run, parallel in runs:
+        if not chosen:
+            continue
+        start = time.perf_counter()
+        tokens = run(model, chosen, new_tokens, pad)
+        seconds = time.perf_counter() - start
+        row = {"step": "batched", "system": f"{system} ({dtype})", "weights": name, "kv": name, "parallel": min(parallel, len(chosen)),
+               "seconds": seconds, "tok_s": len(chosen) * new_tokens / seconds, "threads": torch.get_num_threads(),
+               "conditions": args.conditions}  # fmt: skip
+        yield row, tokens
+
+
 def _row(args, step: str, weights: str, kv: str) -> dict:
     import llama_cpp
 
@@ -414,7 +450,7 @@ def save(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default=",".join(STEPS))
-    parser.add_argument("--weights", default="Q4_1,F16", help="Q4_1 (the default model's GGUF) and/or F16 (its re-type)")
+    parser.add_argument("--weights", default="Q4_1,F16", help="Q4_1 (the default model's GGUF) and/or F16 (its re-type); empty: no llama.cpp run")
     parser.add_argument("--kv", default="f16,q8_0", help="llama.cpp's KV cache types")
     parser.add_argument("--lengths", default="512,2048,8128", help="single: prompt tokens (8128 + 64 new = 8k positions)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single), 128 (batched, as serving.py)")
@@ -426,6 +462,9 @@ def main() -> None:
     parser.add_argument("--kvopt", default="", help="batched: also kvopt.LLM in these dtypes, e.g. fp32,auto")
     parser.add_argument("--kvopt-method", action="append", default=[], metavar="DTYPE=SPEC",
                         help="batched: also kvopt.LLM in DTYPE with kv_method SPEC (repeatable)")
+    parser.add_argument("--hf", default="", help="batched: also plain transformers in these dtypes (static batches of 8, "
+                        "then --hf-sequential requests one at a time), e.g. fp32,auto")
+    parser.add_argument("--hf-sequential", type=int, default=8, help="batched: requests HF runs one at a time")
     parser.add_argument("--kv-memory", default="2GB", help="kvopt.LLM's pool (as serving.py)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="kvopt.LLM's sequences at once (as serving.py)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (and torch's for kvopt)")
@@ -485,11 +524,13 @@ def _batched_table(rows: list[dict]) -> list[str]:
              f"{new_tokens} new tokens each", "",
              "llama.cpp: continuous batching as llama-server does it (`parallel` slots); kvopt.LLM: the engine, "
              "same prompts, same process (`parallel`: the most sequences it ran at once, or its `max_num_seqs` in rows "
-             "from before that was counted).", "",
+             "from before that was counted); HF: plain transformers as a user loads it (`from_pretrained` in the dtype "
+             "named, SDPA), static batches of 8 in order, or one request at a time over the first requests only "
+             "(its tok/s and `same tokens` count those).", "",
              f"| system | weights | KV | parallel | wall time | output tok/s | {ours['system'] if ours else 'kvopt'} vs this "
              "| same tokens as |", "|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
-        same = f"{r['same_as_kvopt']}/{r['requests']} `{r['compared_with']}`" if "same_as_kvopt" in r else "–"
+        same = f"{r['same_as_kvopt']}/{r.get('ran', r['requests'])} `{r['compared_with']}`" if "same_as_kvopt" in r else "–"
         ratio = f"{ours['tok_s'] / r['tok_s']:.2f}x" if ours and r is not ours else "–"
         lines.append(f"| {r['system']} | {r['weights']} | {r['kv']} | {r['parallel']} | {r['seconds']:.0f} s | "
                      f"{r['tok_s']:.1f} | {ratio} | {same} |")  # fmt: skip

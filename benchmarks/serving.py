@@ -105,29 +105,17 @@ def throughput(args) -> list[dict]:
     print(rows[-1])
     del llm
 
-    start, theirs = time.perf_counter(), []
     pad, eos = tokenizer.pad_token_id, model.generation_config.eos_token_id
-    for first in range(0, len(prompts), 8):
-        batch = prompts[first : first + 8]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=pad)  # fmt: skip
-        theirs.extend(out[i, width:].tolist() for i in range(len(batch)))
+    start = time.perf_counter()
+    theirs = hf_static_batches(model, prompts, new, pad)
     seconds = time.perf_counter() - start
     rows.append(base | {"system": "HF static batches of 8", "seconds": seconds, "tok_s": len(prompts) * new / seconds,
                         **_agreement(theirs, ours, eos)})  # fmt: skip
     print(rows[-1])
 
     count = min(args.sequential_requests, len(prompts))
-    start, theirs = time.perf_counter(), []
-    for prompt in prompts[:count]:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=pad)  # fmt: skip
-        theirs.append(out[0, len(prompt) :].tolist())
+    start = time.perf_counter()
+    theirs = hf_one_at_a_time(model, prompts[:count], new, pad)
     seconds = time.perf_counter() - start
     rows.append(base | {"system": "HF generate, one request at a time", "requests": count, "seconds": seconds,
                         "tok_s": count * new / seconds, **_agreement(theirs, ours, eos)})  # fmt: skip
@@ -138,6 +126,33 @@ def throughput(args) -> list[dict]:
         rows.append(base | peer | {"same_as_kvopt": sum(a == b for a, b in zip(theirs, ours))})
         print(rows[-1])
     return rows
+
+
+def hf_static_batches(model, prompts: list[list[int]], new: int, pad: int, size: int = 8) -> list[list[int]]:
+    """HF ``generate`` on batches of ``size`` prompts in order, left-padded with ``pad``, ``new`` tokens each (greedy,
+    EOS ignored): the new tokens of each prompt."""
+    tokens = []
+    for first in range(0, len(prompts), size):
+        batch = prompts[first : first + size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)  # fmt: skip
+        tokens.extend(out[i, width:].tolist() for i in range(len(batch)))
+    return tokens
+
+
+def hf_one_at_a_time(model, prompts: list[list[int]], new: int, pad: int) -> list[list[int]]:
+    """HF ``generate`` on each prompt alone, ``new`` tokens each (greedy, EOS ignored)."""
+    tokens = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)  # fmt: skip
+        tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
 
 
 def _agreement(theirs: list[list[int]], ours: list[list[int]], eos) -> dict:

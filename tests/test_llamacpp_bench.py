@@ -49,3 +49,12 @@ def test_single_requests_list_every_system_by_length():
     assert table[2:4] == ["| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 900.0 | 35.5 |",
                           "| llama.cpp | F16 | f16 | 2,048 | 300.0 | 40.0 |"]  # fmt: skip
     assert "Measured with one thread." in text
+
+
+def test_hf_one_at_a_time_stays_in_its_workload_and_counts_only_the_requests_it_ran():
+    rows = [row("kvopt.LLM auto", "bfloat16", "bfloat16", 16, 100.0),
+            row("HF one at a time (auto)", "bfloat16", "bfloat16", 1, 20.0, ran=8, compared_with="kvopt.LLM auto",
+                same_as_kvopt=7)]  # fmt: skip
+    text = llamacpp.render(rows)
+    assert text.count("### 16 requests of 100-200 tokens") == 1
+    assert "| HF one at a time (auto) | bfloat16 | bfloat16 | 1 | 205 s | 20.0 | 5.00x | 7/8 `kvopt.LLM auto` |" in text
