@@ -98,3 +98,8 @@ def test_loading_in_bf16_packs_and_fp32_does_not(model_folder):
     plain, _ = load_pretrained(model_folder, "fp32")
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+
+
+def test_the_switch_keeps_the_plain_layout(monkeypatch):
+    monkeypatch.setenv("KVOPT_PACK_LINEARS", "off")
+    assert pack_linears(tiny_model("llama", dtype=torch.bfloat16)) == 0

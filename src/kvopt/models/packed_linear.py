@@ -6,21 +6,29 @@ does), the default model's bf16 linears took 0.5-0.6x the time at 1 row, 0.75x a
 0.97x at 256-1,024 rows (one thread, Zen 4 with ``avx512_bf16``; issue 36), and one engine decode step of 16
 sequences 90 ms instead of 117 ms. The outputs are bit-equal to ``F.linear``'s (tested), so every claim of
 equality with Hugging Face stands. The cost is a second copy of each packed weight (the dense one stays the
-module's parameter, for everything that reads, saves, ties or moves it): for the default model 57 MB of
-lm_head plus 160 MB of projections.
+module's parameter, for everything that reads, saves, ties or moves it): 269 MB for the default model (its 57 MB
+output projection shares the embedding's weight; the packed copy does not), beside 269 MB of parameters.
 
 Only bf16 on a CPU with native bf16 arithmetic is packed: fp32 weights packed for MKL ran no faster
-(measured), and a CPU that emulates bf16 gains nothing from a layout.
+(measured), and a CPU that emulates bf16 gains nothing from a layout. ``KVOPT_PACK_LINEARS=0`` (or ``false``,
+``no``, ``off``) keeps the plain layout, for a model whose second copy would not fit in memory.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from kvopt.models.cpu_features import native_on_cpu
 
 #: oneDNN's weight packing and packed linear (private ops, as ``torch.compile`` uses them): absent -> nothing packs.
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _PACKED_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+#: ``KVOPT_PACK_LINEARS=0`` (or one of these words) keeps every linear plain.
+ENV_SWITCH = "KVOPT_PACK_LINEARS"
+_OFF = ("0", "false", "no", "off")
 #: Rows the layout is tuned for (oneDNN takes it as a hint; any row count runs, bit-equal): a decode step's batch.
 TYPICAL_ROWS = 16
 
@@ -59,12 +67,11 @@ class PackedLinear(torch.nn.Linear):
 
 
 def packing_serves(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s linears would be packed: bf16 weights on a CPU that computes bf16, oneDNN present."""
-    from kvopt.models.cpu_features import native_on_cpu
-
+    """Whether ``model``'s linears would be packed: bf16 weights on a CPU that computes bf16, oneDNN present, and
+    not switched off (``KVOPT_PACK_LINEARS=0``)."""
     parameter = next(model.parameters(), None)
     return (
-        parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
+        os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF and parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
         and native_on_cpu(torch.bfloat16) and _REORDER is not None and _PACKED_LINEAR is not None
         and torch.backends.mkldnn.is_available()
     )  # fmt: skip

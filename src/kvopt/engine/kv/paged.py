@@ -337,20 +337,18 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
     # the flash kernel reads the pool in its own dtype (bf16 accumulates in fp32 inside): converting each
     # sequence's keys first cost more than the attention itself at a few hundred tokens (measured)
     folded = stored.to(keys.dtype).reshape(count, kv_heads, heads // kv_heads, dim)
+    member_queries = folded.split(1) if pieces == 1 else [q.expand(pieces, -1, -1, -1) for q in folded.split(1)]
     nothing = None  # (output, lse) of a run too short to cut into pieces: all its slots are in the tail
     outputs, lses = [], []
-    for index, (start, length) in enumerate(group.spans):
+    for member_query, (start, length) in zip(member_queries, group.spans):
         if not length:
             if nothing is None:
                 empty_lse = queries.new_full((pieces, *folded.shape[1:3]), float("-inf"))
                 nothing = (folded.new_zeros(pieces, *folded.shape[1:]), empty_lse)
             out, lse = nothing
         else:
-            span = slice(start, start + length * pieces)
-            piece_keys = keys[:, span].unflatten(1, (pieces, length)).transpose(0, 1)  # views of the pool
-            piece_values = values[:, span].unflatten(1, (pieces, length)).transpose(0, 1)
-            out, lse = attention_math.cpu_flash(folded[index : index + 1].expand(pieces, -1, -1, -1), piece_keys,
-                                           piece_values, scale)  # fmt: skip
+            run_keys, run_values = _run_pieces(keys, start, length, pieces), _run_pieces(values, start, length, pieces)
+            out, lse = attention_math.cpu_flash(member_query, run_keys, run_values, scale)
         outputs.append(out)
         lses.append(lse)
     output = torch.stack(outputs).reshape(count, pieces, heads, dim).float()
@@ -372,6 +370,14 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
         return output[:, 0].to(query.dtype)
     merged, _ = attention_math.merge_pieces(output, lse, axis=1)
     return merged.to(query.dtype)
+
+
+def _run_pieces(pool_tensor: torch.Tensor, start: int, length: int, pieces: int) -> torch.Tensor:
+    """``[pieces, kv_heads, length, dim]`` views of the ``pieces * length`` slots from ``start`` (one view op when whole:
+    this runs per sequence and layer)."""
+    if pieces == 1:
+        return pool_tensor[None, :, start : start + length]
+    return pool_tensor[:, start : start + length * pieces].unflatten(1, (pieces, length)).transpose(0, 1)
 
 
 def _attend_one(query, keys, values, seq: SequenceSlots, scaling, sliding_window, softcap, layer: int) -> torch.Tensor:
