@@ -37,6 +37,8 @@ ROWS = ROOT / "benchmarks" / "results" / "decode_profile.jsonl"
 #: Op groups, in the order the table lists them.
 GROUPS = ("weight matmuls", "output projection", "attention", "other torch ops", "outside torch ops")
 MATMULS = {"aten::mm", "aten::addmm"}
+#: A bf16 linear packed for oneDNN (kvopt.models.packed_linear): ``[[M, K], [N, K], bias, ...]``.
+PACKED_LINEAR = "mkldnn::_linear_pointwise"
 #: The CPU flash kernel (the decode path calls it directly), whose shapes give its FLOPs and bytes.
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 #: Attention's other ops: SDPA's dispatcher and the log-sum-exp parts (their self time only; no FLOPs counted).
@@ -67,6 +69,10 @@ def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str
     (FLOPs and bytes only where they mean something: matmuls and the flash kernel)."""
     if name in MATMULS:  # mm: [[M, K], [K, N]]; addmm: [[N], [M, K], [K, N], [], []] (bias, then beta and alpha)
         (rows, inner), (_, cols) = [shape for shape in shapes if len(shape) == 2][-2:]
+        group = "output projection" if cols == vocab else "weight matmuls"
+        return group, 2.0 * rows * inner * cols, float(element * inner * cols)
+    if name == PACKED_LINEAR:
+        (rows, inner), (cols, _) = shapes[0], shapes[1]
         group = "output projection" if cols == vocab else "weight matmuls"
         return group, 2.0 * rows * inner * cols, float(element * inner * cols)
     if name == FLASH:  # query [B, H, q, D] (grouped queries folded: H is the KV heads), keys and values [B, H, k, D]

@@ -24,6 +24,13 @@ def test_the_vocabulary_matmul_is_the_output_projection_and_addmm_reads_past_its
     assert decode_profile.classify("aten::mm", [[4, 576], [576, 1536]], VOCAB, element=2)[2] == 2.0 * 576 * 1536
 
 
+def test_a_packed_bf16_linear_is_a_weight_matmul_counted_from_its_shapes():
+    packed = [[16, 576], [1536, 576], [], [], [], []]  # input, weight [N, K] (packed), bias, then the op's options
+    assert decode_profile.classify("mkldnn::_linear_pointwise", packed, VOCAB, element=2) == (
+        "weight matmuls", 2.0 * 16 * 576 * 1536, 2.0 * 576 * 1536)
+    assert decode_profile.classify("mkldnn::_linear_pointwise", [[16, 576], [VOCAB, 576]], VOCAB)[0] == "output projection"
+
+
 def test_flash_attention_counts_its_keys_and_values_and_small_ops_count_nothing():
     shapes = [[2, 3, 3, 64], [2, 3, 176, 64], [2, 3, 176, 64], [], []]
     group, flops, read = decode_profile.classify("aten::_scaled_dot_product_flash_attention_for_cpu", shapes, VOCAB)
