@@ -263,8 +263,10 @@ def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                llm.generate([prompt], serving.greedy(tokens), use_tqdm=False)
+                (output,) = llm.generate([prompt], serving.greedy(tokens), use_tqdm=False)
                 times.append(time.perf_counter() - start)
+                if output.error:  # a failed request returns at once: its time would read as a fast run
+                    raise SystemExit(f"kvopt.LLM {dtype}, {length}-token prompt: {output.error}")
             timed[tokens] = statistics.median(times)
         rows.append({"step": "single", "system": f"kvopt.LLM {dtype}", "weights": kv, "kv": kv, "length": length,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),

@@ -73,6 +73,15 @@ def test_a_changed_weight_is_repacked_and_a_moved_one_runs_plain():
         assert layer.packed is None
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (1, 0, 8), (2, 3, 8)])
+def test_any_leading_shape_runs_packed_even_an_empty_one(shape):
+    layer = torch.nn.Linear(8, 16).bfloat16()
+    pack_linears(layer)
+    x = torch.randn(*shape, dtype=torch.bfloat16)  # an engine step can hand a layer no rows (a chunk needing no logits)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
 def test_gradients_flow_through_the_plain_path():
     layer = torch.nn.Linear(8, 4).bfloat16()
     pack_linears(layer)

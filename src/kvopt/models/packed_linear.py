@@ -63,7 +63,7 @@ class PackedLinear(torch.nn.Linear):
         if self.packed is None or input.dtype != torch.bfloat16 or torch.is_grad_enabled() and weight.requires_grad:
             return F.linear(input, weight, self.bias)
         rows = input.reshape(-1, input.shape[-1])
-        return _PACKED_LINEAR(rows, self.packed, self.bias, "none", [], "").view(*input.shape[:-1], -1)
+        return _PACKED_LINEAR(rows, self.packed, self.bias, "none", [], "").view(*input.shape[:-1], self.out_features)
 
 
 def packing_serves(model: torch.nn.Module) -> bool:
