@@ -20,6 +20,7 @@ from kvopt.errors import KVOptError
 from kvopt.models import cpu_features
 from kvopt.models.cpu_features import check_model_dtype, model_dtype
 from kvopt.models.loading import load_pretrained
+from kvopt.models.packed_linear import pack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -176,7 +177,9 @@ def test_engine_equals_generate_in_bf16(arch):
     resolve the other way. Most prompts have none: at least 80% must match entirely."""
     model = tiny_model(arch, dtype=torch.bfloat16)
     prompts = mixed_prompts(16) + mixed_prompts(6, seed=5, shared=40)
-    llm = LLM(copy.deepcopy(model), kv_memory="4MB", max_num_batched_tokens=96)
+    engine_model = copy.deepcopy(model)
+    pack_linears(engine_model)  # as load_model packs bf16 on a CPU with bf16 arithmetic (bit-equal; a no-op elsewhere)
+    llm = LLM(engine_model, kv_memory="4MB", max_num_batched_tokens=96)
     assert llm.engine.runner.pool.keys[0].dtype == torch.bfloat16
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     same = 0

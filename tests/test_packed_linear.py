@@ -46,10 +46,14 @@ def test_the_engine_on_a_packed_model_gives_the_plain_ones_tokens():
     model = tiny_model("llama", dtype=torch.bfloat16)
     plain = plain_copy(model)
     pack_linears(model)
-    prompts = mixed_prompts(8)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    packed_out, plain_out = (LLM(m, kv_memory="4MB").generate(prompts, params, use_tqdm=False) for m in (model, plain))
-    assert [o.outputs[0].token_ids for o in packed_out] == [o.outputs[0].token_ids for o in plain_out]
+    long_prompt = random_batch([300], seed=7)[0][0].tolist()  # alone, in 64-token chunks: steps that need no logits
+    for prompts in (mixed_prompts(8), [long_prompt]):
+        packed_out, plain_out = (LLM(m, kv_memory="4MB", max_num_batched_tokens=64).generate(prompts, params,
+                                                                                          use_tqdm=False)
+                                 for m in (model, plain))  # fmt: skip
+        assert [o.outputs[0].token_ids for o in packed_out] == [o.outputs[0].token_ids for o in plain_out]
+        assert not any(o.error for o in packed_out)
 
 
 def test_only_bf16_on_a_cpu_with_bf16_arithmetic_is_packed(monkeypatch):
