@@ -67,12 +67,11 @@ def limits(dtype: torch.dtype = torch.float32, repeats: int = 5, read_mb: int = 
 def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str, float, float]:
     """``(group, FLOPs, bytes read)`` of one call of an op with these input shapes, ``element`` bytes per value
     (FLOPs and bytes only where they mean something: matmuls and the flash kernel)."""
-    if name in MATMULS:  # mm: [[M, K], [K, N]]; addmm: [[N], [M, K], [K, N], [], []] (bias, then beta and alpha)
-        (rows, inner), (_, cols) = [shape for shape in shapes if len(shape) == 2][-2:]
-        group = "output projection" if cols == vocab else "weight matmuls"
-        return group, 2.0 * rows * inner * cols, float(element * inner * cols)
-    if name == PACKED_LINEAR:
-        (rows, inner), (cols, _) = shapes[0], shapes[1]
+    if name in MATMULS or name == PACKED_LINEAR:
+        if name in MATMULS:  # mm: [[M, K], [K, N]]; addmm: [[N], [M, K], [K, N], [], []] (bias, then beta and alpha)
+            (rows, inner), (_, cols) = [shape for shape in shapes if len(shape) == 2][-2:]
+        else:  # the packed weight keeps nn.Linear's [N, K]
+            (rows, inner), (cols, _) = shapes[0], shapes[1]
         group = "output projection" if cols == vocab else "weight matmuls"
         return group, 2.0 * rows * inner * cols, float(element * inner * cols)
     if name == FLASH:  # query [B, H, q, D] (grouped queries folded: H is the KV heads), keys and values [B, H, k, D]

@@ -65,10 +65,12 @@ def bindings():
 
 
 # -- the weights ------------------------------------------------------------------------------
-def weight_files(names: list[str]) -> dict[str, Path]:
-    """``Q4_1``: the default model's GGUF; ``F16``: its re-type (written once)."""
+def weight_files(choice: str) -> dict[str, Path]:
+    """The comma-separated ``--weights``: ``Q4_1``, the default model's GGUF; ``F16``, its re-type (written once);
+    empty, none (no llama.cpp run)."""
     from kvopt.models.loading import default_gguf_path
 
+    names = [name for name in choice.split(",") if name]
     original = default_gguf_path()
     files = {"Q4_1": original, "F16": lambda: f16_copy(original)}
     unknown = set(names) - set(files)
@@ -220,7 +222,7 @@ def prefill(context: Context, prompt: list[int]) -> int:
 
 def single(args, lib, tokenizer) -> list[dict]:
     rows = [row for dtype in filter(None, args.kvopt.split(",")) for row in kvopt_single(args, dtype, tokenizer)]
-    for name, path in weight_files(list(filter(None, args.weights.split(",")))).items():
+    for name, path in weight_files(args.weights).items():
         model = load_weights(lib, path)
         for kv in args.kv.split(","):
             for length in _ints(args.lengths):
@@ -348,7 +350,7 @@ def batched(args, lib, tokenizer) -> list[dict]:
             rows.append(row)
             print(json.dumps(rows[-1]))
     longest = max(map(len, prompts)) + args.new_tokens
-    for name, path in weight_files(list(filter(None, args.weights.split(",")))).items():
+    for name, path in weight_files(args.weights).items():
         model = load_weights(lib, path)
         for kv in args.kv.split(","):
             for parallel in _ints(args.parallel):

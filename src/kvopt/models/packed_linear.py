@@ -71,7 +71,8 @@ def packing_serves(model: torch.nn.Module) -> bool:
     not switched off (``KVOPT_PACK_LINEARS=0``)."""
     parameter = next(model.parameters(), None)
     return (
-        os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF and parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
+        os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
+        and parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
         and native_on_cpu(torch.bfloat16) and _REORDER is not None and _PACKED_LINEAR is not None
         and torch.backends.mkldnn.is_available()
     )  # fmt: skip
