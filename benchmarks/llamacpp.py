@@ -11,7 +11,8 @@ Weights: the default model's own GGUF (Q4_1, the file kvopt converts) and an F16
 with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and q8_0 (q8_0 needs flash attention).
 
 - ``single``: one request alone, prefill and decode tok/s at 512 / 2k / 8k-token prompts of local real text
-  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt).
+  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt); ``--kvopt`` and ``--hf`` time kvopt.LLM
+  and transformers' ``generate`` on the same prompts (prefill from a one-token request, decode from the rest).
 - ``batched``: the serving workload of ``benchmarks/serving.py`` (its prompts: 64 windows of 100-1,000 tokens of
   local real text as token ids, 128 new tokens, greedy, EOS ignored) through llama-server's continuous batching: one
   ``llama_batch`` per step carrying every running sequence's id, ``--parallel`` slots, each decoding sequence's
@@ -222,6 +223,7 @@ def prefill(context: Context, prompt: list[int]) -> int:
 
 def single(args, lib, tokenizer) -> list[dict]:
     rows = [row for dtype in filter(None, args.kvopt.split(",")) for row in kvopt_single(args, dtype, tokenizer)]
+    rows += [row for dtype in filter(None, args.hf.split(",")) for row in hf_single(args, dtype, tokenizer)]
     for name, path in weight_files(args.weights).items():
         model = load_weights(lib, path)
         for kv in args.kv.split(","):
@@ -251,12 +253,33 @@ def single(args, lib, tokenizer) -> list[dict]:
 
 
 def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
-    """kvopt.LLM on the same single prompts: prefill tok/s from a one-token request, decode tok/s from the time a
-    ``--new-tokens`` request takes beyond it (prefix caching off, so each request computes its prompt)."""
+    """kvopt.LLM on the single prompts (prefix caching off, so each request computes its prompt)."""
     from kvopt.engine import LLM
 
     llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False)
-    kv = str(llm.engine.dtype).removeprefix("torch.")
+
+    def generate(prompt: list[int], tokens: int) -> None:
+        (output,) = llm.generate([prompt], serving.greedy(tokens), use_tqdm=False)
+        if output.error:  # a failed request returns at once: its time would read as a fast run
+            raise SystemExit(f"kvopt.LLM {dtype}, {len(prompt)}-token prompt: {output.error}")
+
+    return timed_singles(f"kvopt.LLM {dtype}", str(llm.engine.dtype).removeprefix("torch."), generate, args, tokenizer)
+
+
+def hf_single(args, dtype: str, tokenizer) -> list[dict]:
+    """Plain transformers (:func:`hf_model`) on the single prompts: ``generate`` on one request."""
+    model = hf_model(dtype)
+    pad = _pad_token(model)
+
+    def generate(prompt: list[int], tokens: int) -> None:
+        serving.hf_one_at_a_time(model, [prompt], tokens, pad)
+
+    return timed_singles(f"HF generate ({dtype})", str(model.dtype).removeprefix("torch."), generate, args, tokenizer)
+
+
+def timed_singles(system: str, dtype: str, generate, args, tokenizer) -> list[dict]:
+    """One system's single-request rows: prefill tok/s from a one-token request, decode tok/s from the time a
+    ``--new-tokens`` request takes beyond it (medians of ``--repeats``)."""
     rows = []
     for length in _ints(args.lengths):
         (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
@@ -265,12 +288,10 @@ def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                (output,) = llm.generate([prompt], serving.greedy(tokens), use_tqdm=False)
+                generate(prompt, tokens)
                 times.append(time.perf_counter() - start)
-                if output.error:  # a failed request returns at once: its time would read as a fast run
-                    raise SystemExit(f"kvopt.LLM {dtype}, {length}-token prompt: {output.error}")
             timed[tokens] = statistics.median(times)
-        rows.append({"step": "single", "system": f"kvopt.LLM {dtype}", "weights": kv, "kv": kv, "length": length,
+        rows.append({"step": "single", "system": system, "weights": dtype, "kv": dtype, "length": length,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
                      "prefill_tok_s": length / timed[1], "decode_tok_s": (args.new_tokens - 1) / (timed[args.new_tokens] - timed[1]),
                      "conditions": args.conditions})  # fmt: skip
@@ -400,20 +421,29 @@ def kvopt_run(prompts: list[list[int]], new_tokens: int, dtype: str, spec: str, 
     return row, [out.outputs[0].token_ids for out in outputs]
 
 
-def hf_runs(prompts: list[list[int]], new_tokens: int, dtype: str, args):
-    """Plain transformers as a user loads it (``from_pretrained`` in ``dtype``, SDPA attention, no kvopt): static
-    batches of 8, then ``--hf-sequential`` requests one at a time; yields each run's row and tokens."""
+def hf_model(dtype: str):
+    """Plain transformers as a user loads it: ``from_pretrained`` in ``dtype``, SDPA attention, no kvopt."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
     from kvopt.models.cpu_features import model_dtype
     from kvopt.models.loading import resolve_model_dir
 
-    weights = model_dtype(dtype, None)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=weights, attn_implementation="sdpa",
-                                                 local_files_only=True).eval()  # fmt: skip
-    name = str(model.dtype).removeprefix("torch.")
+    logging.disable_progress_bar()  # one bar line per tensor otherwise
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=model_dtype(dtype, None),
+                                                attn_implementation="sdpa", local_files_only=True).eval()  # fmt: skip
+
+
+def _pad_token(model) -> int:
     pad = model.generation_config.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
+    return pad[0] if isinstance(pad, list) else pad
+
+
+def hf_runs(prompts: list[list[int]], new_tokens: int, dtype: str, args):
+    """Plain transformers (:func:`hf_model`): static batches of 8, then ``--hf-sequential`` requests one at a time;
+    yields each run's row and tokens."""
+    model = hf_model(dtype)
+    name, pad = str(model.dtype).removeprefix("torch."), _pad_token(model)
     runs = [("HF static batches of 8", prompts, serving.hf_static_batches, 8),
             ("HF one at a time", prompts[: args.hf_sequential], serving.hf_one_at_a_time, 1)]
     for system, chosen, run, parallel in runs:
@@ -463,11 +493,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=serving.token_range, default=(SERVING_LOW, SERVING_HIGH), metavar="LOW-HIGH",
                         help="batched: each prompt's length is drawn from this range (default: serving.py's)")
     parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
-    parser.add_argument("--kvopt", default="", help="batched: also kvopt.LLM in these dtypes, e.g. fp32,auto")
+    parser.add_argument("--kvopt", default="", help="also kvopt.LLM in these dtypes, e.g. fp32,auto")
     parser.add_argument("--kvopt-method", action="append", default=[], metavar="DTYPE=SPEC",
                         help="batched: also kvopt.LLM in DTYPE with kv_method SPEC (repeatable)")
-    parser.add_argument("--hf", default="", help="batched: also plain transformers in these dtypes (static batches of 8, "
-                        "then --hf-sequential requests one at a time), e.g. fp32,auto")
+    parser.add_argument("--hf", default="", help="also plain transformers in these dtypes (single: generate on one request; "
+                        "batched: static batches of 8, then --hf-sequential requests one at a time), e.g. fp32,auto")
     parser.add_argument("--hf-sequential", type=int, default=8, help="batched: requests HF runs one at a time")
     parser.add_argument("--kv-memory", default="2GB", help="kvopt.LLM's pool (as serving.py)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="kvopt.LLM's sequences at once (as serving.py)")

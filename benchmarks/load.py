@@ -3,9 +3,10 @@
     python benchmarks/load.py            # 200 clients: kvopt full and snapkv:ratio=0.5, transformers serve (~15 min)
     python benchmarks/load.py --systems "kvopt:full;transformers" --clients 16
 
-Each system is a server subprocess on a free loopback port (`kvopt serve --kv-method SPEC`, or
-`transformers serve` on the same model folder, with or without its continuous batching) with
-`--threads` torch threads. Once `/health` answers and a first request has run, every client sends
+Each system is a server subprocess on a free loopback port (`kvopt serve --kv-method SPEC [--dtype]`,
+`transformers serve` on the same model folder, with or without its continuous batching, or llama.cpp's
+`llama-server` on the default model's GGUF or its F16 re-type, `--llama-parallel` slots) with
+`--threads` CPU threads. Once `/health` answers and a first request has run, every client sends
 one streamed `/v1/completions` request at once (real text, `--prompt-tokens` long, greedy,
 `max_tokens` each, usage requested) and reads it to the end. Per system: lost responses
 (transport error, non-200 status) and malformed ones (an event that is not `data: <JSON>`, an
@@ -51,14 +52,37 @@ def free_port() -> int:
 
 
 def server_command(system: str, model_dir: Path, port: int, args) -> list[str]:
+    """The command line of ``system``: ``kvopt:SPEC``, ``transformers``/``transformers-cb`` or
+    ``llama-server:WEIGHTS``, each on ``port`` with ``--threads`` CPU threads."""
     if system.startswith("transformers"):  # "transformers-cb": with its continuous batching
         executable = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         batching = ["--continuous-batching"] if system == "transformers-cb" else []
         return [executable, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *batching]
+    if system.startswith("llama-server:"):
+        return llama_server_command(system.removeprefix("llama-server:"), port, args)
     spec = system.removeprefix("kvopt:")
+    dtype = ["--dtype", args.dtype] if args.dtype else []
     return [sys.executable, "-m", "kvopt.cli.main", "serve", "--model", str(model_dir), "--served-model-name",
             str(model_dir), "--port", str(port), "--kv-method", spec, "--kv-memory", args.kv_memory,
-            "--max-waiting", str(args.clients), "--no-access-log"]  # fmt: skip
+            "--max-waiting", str(args.clients), "--no-access-log", *dtype]  # fmt: skip
+
+
+def llama_server_command(weights: str, port: int, args) -> list[str]:
+    """llama.cpp's ``llama-server`` on the default model's GGUF (``Q4_1``) or its F16 re-type: ``--llama-parallel``
+    slots sharing one unified KV cache (``--llama-kv`` cells) with room for every slot's longest request, continuous
+    batching (its default), flash attention as it decides (on for a quantized KV cache)."""
+    from llamacpp import weight_files
+
+    binary = args.llama_server or shutil.which("llama-server")
+    if not binary:
+        raise SystemExit("no llama-server binary: build it from llama.cpp (cmake -DLLAMA_BUILD_SERVER=ON ... "
+                         "--target llama-server) and pass --llama-server PATH or put it on PATH")  # fmt: skip
+    (path,) = weight_files(weights).values()
+    context = args.llama_parallel * (args.prompt_tokens[1] + args.max_tokens + 16)
+    return [binary, "--model", str(path), "--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
+            "--threads-batch", str(args.threads), "--parallel", str(args.llama_parallel), "--ctx-size", str(context),
+            "--kv-unified", "--cache-type-k", args.llama_kv, "--cache-type-v", args.llama_kv,
+            "--flash-attn", "on" if args.llama_kv != "f16" else "auto", "--no-webui"]  # fmt: skip
 
 
 def tree_rss(process: psutil.Process) -> int:
@@ -159,7 +183,9 @@ def measure(system: str, model_dir: Path, prompts: list[str], args) -> dict:
     base = {"system": system, "clients": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
             "threads": args.threads, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     if system.startswith("kvopt:"):
-        base["kv_memory"] = args.kv_memory
+        base |= {"kv_memory": args.kv_memory, "dtype": args.dtype}
+    if system.startswith("llama-server:"):
+        base |= {"parallel": args.llama_parallel, "kv": args.llama_kv}
     extra = {} if system.startswith("transformers") else {"ignore_eos": True}
     bodies = [{"model": str(model_dir), "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                "stream": True, "stream_options": {"include_usage": True}} | extra for prompt in prompts]  # fmt: skip
@@ -211,7 +237,8 @@ def measure(system: str, model_dir: Path, prompts: list[str], args) -> dict:
 
 def save(row: dict) -> None:
     """Replace the row of the same system and load in the committed JSONL (other rows stay)."""
-    key = lambda r: (r["system"], r["clients"], r["prompt_tokens"], r["max_tokens"])  # noqa: E731
+    key = lambda r: (r["system"], r.get("dtype"), r.get("parallel"), r.get("kv"), r["clients"], r["prompt_tokens"],
+                     r["max_tokens"])  # noqa: E731
     ROWS.parent.mkdir(parents=True, exist_ok=True)
     kept = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
     ROWS.write_text("".join(json.dumps(r) + "\n" for r in [*(r for r in kept if key(r) != key(row)), row]))
@@ -231,8 +258,9 @@ def section(path: Path = ROWS) -> list[str]:
         opening("python benchmarks/load.py", row_dates(path), path), "",
         "All clients start at once, each streaming one `/v1/completions` request "
         "(greedy, `max_tokens` new tokens, `ignore_eos` where the server has it) with a prompt of local real text "
-        "(lengths drawn uniformly from the range shown); the default model (fp32), server and clients on the same "
-        f"2 CPU cores, the server with {' / '.join(sorted({str(r.get('threads', '?')) for r in rows}))} torch "
+        "(lengths drawn uniformly from the range shown); the default model (kvopt and transformers in the checkpoint's "
+        "fp32 unless a `--dtype` is named; llama-server on its GGUF, Q4_1, or an F16 re-type), server and clients on "
+        f"the same 2 CPU cores, the server with {' / '.join(sorted({str(r.get('threads', '?')) for r in rows}))} "
         "thread(s) (`--threads`: the clients need the other core). TTFT: request sent to first text event; ITL: between successive text events (one per token); "
         "tok/s: all output tokens over the wall time of the whole load. Lost: transport error or non-200; malformed: a "
         "broken event, an error event, no usage, or more text events than tokens. RSS: the server's process tree, "
@@ -246,7 +274,7 @@ def section(path: Path = ROWS) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for row in rows:
-        head = f"| `{row['system']}` | {row['clients']} | {row['prompt_tokens']} | {row['max_tokens']} |"
+        head = f"| {_system(row)} | {row['clients']} | {row['prompt_tokens']} | {row['max_tokens']} |"
         if "ok" not in row:
             lines.append(f"{head} {row['status']}: {row['reason']} | | | | |")
             continue
@@ -262,6 +290,13 @@ def section(path: Path = ROWS) -> list[str]:
     return lines + [""]
 
 
+def _system(row: dict) -> str:
+    """The system with what it ran in: kvopt's ``--dtype``, llama-server's slots and KV type."""
+    if "parallel" in row:
+        return f"`{row['system']}` ({row['parallel']} slots, {row['kv']} KV)"
+    return f"`{row['system']}`" + (f" `--dtype {row['dtype']}`" if row.get("dtype") else "")
+
+
 def _seconds(quantiles: dict) -> str:
     return " / ".join("–" if quantiles[q] is None else f"{quantiles[q]:.2f} s" for q in ("p50", "p95", "p99"))
 
@@ -270,11 +305,16 @@ def main() -> None:
     from serving import real_prompts, token_range
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default=SYSTEMS, help="';'-separated: kvopt:SPEC (engine --kv-method), transformers, transformers-cb")
+    parser.add_argument("--systems", default=SYSTEMS, help="';'-separated: kvopt:SPEC (engine --kv-method), transformers, transformers-cb, "
+                        "llama-server:Q4_1 or llama-server:F16 (llama.cpp's server on the default model's GGUF)")
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--prompt-tokens", default="16-256", type=token_range, help="prompt lengths, drawn uniformly from LOW-HIGH")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-memory", default="1GB", help="kvopt's KV pool (`kvopt serve`'s default)")
+    parser.add_argument("--dtype", default=None, help="kvopt serve's --dtype (fp32, bf16, auto); default: the checkpoint's")
+    parser.add_argument("--llama-server", default=None, help="llama-server:WEIGHTS systems: the binary (default: on PATH)")
+    parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots (requests at once)")
+    parser.add_argument("--llama-kv", default="f16", choices=("f16", "q8_0"), help="llama-server's KV cache type")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per server (OMP_NUM_THREADS): the clients need a core too, and spinning "
                              "threads on a busy 2-core machine slow a server ~10x")  # fmt: skip

@@ -58,3 +58,32 @@ def test_hf_one_at_a_time_stays_in_its_workload_and_counts_only_the_requests_it_
     text = llamacpp.render(rows)
     assert text.count("### 16 requests of 100-200 tokens") == 1
     assert "| HF one at a time (auto) | bfloat16 | bfloat16 | 1 | 205 s | 20.0 | 5.00x | 7/8 `kvopt.LLM auto` |" in text
+
+
+def test_llama_server_gets_a_slot_per_request_and_room_for_the_longest_one(tmp_path):
+    import argparse
+
+    import load
+
+    binary = tmp_path / "llama-server"
+    args = argparse.Namespace(llama_server=str(binary), llama_parallel=8, llama_kv="q8_0", prompt_tokens=(100, 200),
+                              max_tokens=256, threads=1)  # fmt: skip
+    command = load.server_command("llama-server:Q4_1", Path("unused"), 8123, args)
+    value = lambda flag: command[command.index(flag) + 1]  # noqa: E731
+    assert command[0] == str(binary) and value("--model").endswith(".gguf")
+    assert value("--parallel") == "8" and value("--ctx-size") == str(8 * (200 + 256 + 16))
+    assert value("--cache-type-k") == value("--cache-type-v") == "q8_0" and value("--flash-attn") == "on"
+    assert "--kv-unified" in command and value("--port") == "8123"
+
+
+def test_a_missing_llama_server_names_how_to_build_it(monkeypatch):
+    import argparse
+
+    import load
+    import pytest
+
+    monkeypatch.setenv("PATH", "")
+    args = argparse.Namespace(llama_server=None, llama_parallel=8, llama_kv="f16", prompt_tokens=(100, 200),
+                              max_tokens=16, threads=1)  # fmt: skip
+    with pytest.raises(SystemExit, match="no llama-server binary: build it"):
+        load.server_command("llama-server:Q4_1", Path("unused"), 8123, args)
