@@ -49,7 +49,7 @@ SERVING_SEED, SERVING_LOW, SERVING_HIGH = 0, 100, 1000
 #: ggml's error level: llama.cpp's info and warnings (one line per tensor at load) are dropped.
 GGML_LOG_LEVEL_ERROR = 4
 #: Fields that name what a row measured (a new row replaces an old one with the same values).
-SETTING = ("step", "system", "weights", "kv", "length", "parallel", "requests", "prompt_range", "new_tokens")
+SETTING = ("step", "system", "weights", "kv", "length", "parallel", "requests", "prompt_range", "new_tokens", "round")
 
 
 def bindings():
@@ -506,6 +506,8 @@ def main() -> None:
     parser.add_argument("--n-ubatch", type=int, default=512)
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
+    parser.add_argument("--round", type=int, default=None, help="a repeat's number: its rows stay beside the main run's "
+                        "and are listed under its table, round by round (run the systems alternately to see the noise)")
     parser.add_argument("--results", type=Path, default=ROWS.parent, help="rows folder")
     args = parser.parse_args()
     steps = args.steps.split(",")
@@ -520,7 +522,8 @@ def main() -> None:
     new_tokens = args.new_tokens
     for step in steps:
         args.new_tokens = new_tokens or {"single": 64, "batched": 128}[step]
-        save(args.results / ROWS.name, globals()[step](args, lib, tokenizer))
+        rows = globals()[step](args, lib, tokenizer)
+        save(args.results / ROWS.name, [row | {"round": args.round} for row in rows] if args.round else rows)
 
 
 # -- the BENCHMARKS.md section ------------------------------------------------------------------
@@ -531,7 +534,7 @@ def render(rows: list[dict]) -> str:
              opening("python benchmarks/llamacpp.py --kvopt fp32,auto", row_dates(ROWS), ROWS), "",
              "Weights: the default model's GGUF (Q4_1) and an F16 re-type of it; prompts of local real text as token "
              "ids, greedy, EOS ignored.", ""]  # fmt: skip
-    singles = [row for row in rows if row["step"] == "single"]
+    singles = [row for row in rows if row["step"] == "single" and not row.get("round")]
     if singles:
         lines += ["### One request at a time", "",
                   "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s |", "|---|---|---|---:|---:|---:|"]
@@ -539,9 +542,11 @@ def render(rows: list[dict]) -> str:
                   f"{r['decode_tok_s']:.1f} |"
                   for r in sorted(singles, key=lambda r: (r["length"], r.get("system", "llama.cpp"), r["weights"], r["kv"]))]
         lines += [*conditions_line(singles), ""]
-    many = [row for row in rows if row["step"] == "batched"]
+    many = [row for row in rows if row["step"] == "batched" and not row.get("round")]
+    repeats = [row for row in rows if row["step"] == "batched" and row.get("round")]
     for workload in dict.fromkeys(_workload(row) for row in many):
         lines += _batched_table([row for row in many if _workload(row) == workload])
+        lines += _repeats_line([row for row in repeats if _workload(row) == workload])
     return "\n".join(lines)
 
 
@@ -574,6 +579,28 @@ def _batched_table(rows: list[dict]) -> list[str]:
                       f"fastest ({theirs['weights']}, {theirs['parallel']} at a time): "
                       f"{ours['tok_s'] / theirs['tok_s']:.2f}x the output tokens per second."]  # fmt: skip
     return lines + conditions_line(rows) + [""]
+
+
+def _repeats_line(rows: list[dict]) -> list[str]:
+    """A workload's repeats (``--round``): each system's tok/s round by round, and kvopt's fastest system against
+    llama.cpp's in each round (the spread a single run's ratio hides)."""
+    if not rows:
+        return []
+    rounds = sorted({row["round"] for row in rows})
+    systems = {}
+    for row in sorted(rows, key=lambda row: row["round"]):
+        name = row["system"] if row["system"] != "llama.cpp" else f"llama.cpp {row['weights']} ({row['kv']} KV)"
+        systems.setdefault(name, {})[row["round"]] = row["tok_s"]
+    ours = [name for name in systems if name.startswith("kvopt")]
+    theirs = [name for name in systems if name.startswith("llama.cpp")]
+    listed = "; ".join(f"{name} {' / '.join(f'{tok_s:.1f}' for tok_s in by_round.values())}" for name, by_round in systems.items())
+    text = f"Repeated in {len(rounds)} more runs, the systems alternating (output tok/s by round): {listed}."
+    if ours and theirs:
+        ratios = [max(systems[n].get(r, 0) for n in ours) / max(systems[n].get(r, float("inf")) for n in theirs)
+                  for r in rounds]  # fmt: skip
+        text += (f" kvopt against llama.cpp by round: {' / '.join(f'{ratio:.2f}x' for ratio in ratios)} "
+                 f"(median {statistics.median(ratios):.2f}x).")
+    return [text, ""]
 
 
 if __name__ == "__main__":

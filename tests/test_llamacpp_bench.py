@@ -87,3 +87,13 @@ def test_a_missing_llama_server_names_how_to_build_it(monkeypatch):
                               max_tokens=16, threads=1)  # fmt: skip
     with pytest.raises(SystemExit, match="no llama-server binary: build it"):
         load.server_command("llama-server:Q4_1", Path("unused"), 8123, args)
+
+
+def test_repeats_are_listed_round_by_round_under_their_workload_and_stay_out_of_its_table():
+    rows = [row("kvopt.LLM auto", "bfloat16", "bfloat16", 16, 120.0), row("llama.cpp", "F16", "f16", 16, 100.0)]
+    rows += [row("kvopt.LLM auto", "bfloat16", "bfloat16", 16, tok_s, round=n) for n, tok_s in ((1, 130.0), (2, 110.0))]
+    rows += [row("llama.cpp", "F16", "f16", 16, tok_s, round=n) for n, tok_s in ((1, 100.0), (2, 100.0))]
+    text = llamacpp.render(rows)
+    assert text.count("| kvopt.LLM auto |") == 1 and "| 130.0 |" not in text
+    assert ("Repeated in 2 more runs, the systems alternating (output tok/s by round): kvopt.LLM auto 130.0 / 110.0; "
+            "llama.cpp F16 (f16 KV) 100.0 / 100.0. kvopt against llama.cpp by round: 1.30x / 1.10x (median 1.20x).") in text
