@@ -41,7 +41,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONDITIONS = "1 torch thread; another one-thread benchmark ran on the other core"
 #: Compression (prompt bytes / kept bytes) and the ratio removed for it.
 COMPRESSIONS = {4: 0.75, 6: round(5 / 6, 4)}
-CONVERSATION_METHODS = ["epicache", "epicache:budgets=xkv", "snapkv", "pyramidkv", "adakv", "kvzip", "streamingllm"]
+#: epicache as first measured (``level=pair-uniform,patch=1024``, then its defaults) beside its defaults since.
+FIRST_EPICACHE = "level=pair-uniform,patch=1024"
+CONVERSATION_METHODS = ["epicache", "epicache:level=global", f"epicache:{FIRST_EPICACHE}", f"epicache:budgets=xkv,{FIRST_EPICACHE}",
+                        "snapkv", "pyramidkv", "adakv", "kvzip", "streamingllm"]  # fmt: skip
 CONVERSATION_LENGTHS = [4096]
 CONVERSATION_DEPTHS = 3
 XKV_TASKS = ["passkey", "niah", "niah_multivalue"]
@@ -77,8 +80,14 @@ def canonical(spec: str) -> str:
     return canonical_spec(spec) if spec != "full" else spec
 
 
-def conversation_specs() -> list[str]:
-    return ["full", *(with_ratio(m, ratio) for ratio in COMPRESSIONS.values() for m in CONVERSATION_METHODS)]
+def conversation_specs(methods: list[str] | None = None) -> list[str]:
+    """``full`` and every method of ``methods`` (default: ``CONVERSATION_METHODS``) at each compression."""
+    methods = CONVERSATION_METHODS if methods is None else methods
+    unknown = [m for m in methods if m not in CONVERSATION_METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: {', '.join(unknown)} not in the conversation grid; choose from "
+                         f"{', '.join(CONVERSATION_METHODS)}")  # fmt: skip
+    return ["full", *(with_ratio(m, ratio) for ratio in COMPRESSIONS.values() for m in methods)]
 
 
 def xkv_specs() -> list[str]:
@@ -86,12 +95,12 @@ def xkv_specs() -> list[str]:
                       for budgets in XKV_BUDGETS)]  # fmt: skip
 
 
-def grid(step: str, samples: int):
+def grid(step: str, samples: int, methods: list[str] | None = None):
     from kvopt.eval.decoding import QUERY_AWARE
     from kvopt.eval.runner import EvalGrid
 
     if step == "conversation":
-        return EvalGrid(["conversation"], CONVERSATION_LENGTHS, conversation_specs(), depths=CONVERSATION_DEPTHS,
+        return EvalGrid(["conversation"], CONVERSATION_LENGTHS, conversation_specs(methods), depths=CONVERSATION_DEPTHS,
                         samples=samples, modes=[QUERY_AWARE])  # fmt: skip
     if step == "xkv":
         return EvalGrid(XKV_TASKS, XKV_LENGTHS, xkv_specs(), depths=1, samples=samples, modes=[QUERY_AWARE])
@@ -228,10 +237,11 @@ def _table_order(spec: str, ratio: float | None) -> tuple:
 def _conversation_verdicts(by_method: dict[str, list[dict]], full: list[dict]) -> list[str]:
     """The issue's two targets, measured: epicache's kept share at 4x, its lead at 6x over the best other method."""
     out = []
-    judged = len(full) >= JUDGED_FROM
 
-    def verdict(holds: bool) -> str:
-        return ("holds" if holds else "does not hold") if judged else f"not judged yet: {len(full)} of {JUDGED_FROM} conversations"
+    def verdict(holds: bool, *specs: str) -> str:
+        """Judged once every cell it rests on holds ``JUDGED_FROM`` conversations."""
+        done = min(len(by_method[spec]) for spec in specs)
+        return ("holds" if holds else "does not hold") if done >= JUDGED_FROM else f"not judged yet: {done} of {JUDGED_FROM} conversations"
 
     for compression, ratio in COMPRESSIONS.items():
         specs = {canonical(with_ratio(m, ratio)): m for m in CONVERSATION_METHODS}
@@ -243,13 +253,13 @@ def _conversation_verdicts(by_method: dict[str, list[dict]], full: list[dict]) -
         best, share = max(epicache.items(), key=lambda item: item[1])
         line = f"- {compression}x: the better epicache (`{best}`) keeps {share:.0%} of `full`'s answers"
         if compression == 4:
-            line += f" (target ≥ {EPICACHE_KEPT:.0%}: {verdict(share >= EPICACHE_KEPT)})"
+            line += f" (target ≥ {EPICACHE_KEPT:.0%}: {verdict(share >= EPICACHE_KEPT, best)})"
         if others:
             rival, rival_share = max(others.items(), key=lambda item: item[1])
             lead = share - rival_share
             line += f"; the best other method, `{rival}`, keeps {rival_share:.0%}: a lead of {lead * 100:+.0f} points"
             if compression == 6:
-                line += f" (target ≥ +{EPICACHE_LEAD * 100:.0f}: {verdict(lead >= EPICACHE_LEAD)})"
+                line += f" (target ≥ +{EPICACHE_LEAD * 100:.0f}: {verdict(lead >= EPICACHE_LEAD, best, rival)})"
         out.append(line + ".")
     return out
 
@@ -322,6 +332,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model kvopt.load_model knows; default: the embedded one")
     parser.add_argument("--samples", type=int, default=8, help="prompts per task, length and depth")
     parser.add_argument("--collect", action="store_true", help="copy the working rows in without running")
+    parser.add_argument("--methods", default=None,
+                        help="conversation step: only these of its methods (';'-separated, as CONVERSATION_METHODS "
+                             "names them) and full; default: all")  # fmt: skip
     args = parser.parse_args()
     import torch
 
@@ -336,7 +349,8 @@ def main() -> None:
             routing(loaded, label, args.samples)
         elif not args.collect:
             seed(label, step)
-            run_eval(grid(step, args.samples), work_file(label, step).parent, model_name=label, loaded=loaded,
+            methods = args.methods.split(";") if args.methods else None
+            run_eval(grid(step, args.samples, methods), work_file(label, step).parent, model_name=label, loaded=loaded,
                      progress=False)  # fmt: skip
         merge(label, step)
     print(render(read_rows(ROWS)))

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvopt
 from kvopt.cache.attention import prepare
+from kvopt.cache.ragged import RaggedKV
 from kvopt.engine import LLM, SamplingParams
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.eval.tasks import build_sample, format_prompt
@@ -153,12 +154,32 @@ def test_route_picks_the_largest_dot_product():
 
 
 # -- block-wise eviction -------------------------------------------------------------------------
-def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[int]:
-    """Positions a one-layer, one-KV-head model keeps: routing and the patched prompt written out, then each
-    block scored by an eager forward whose mask lets the patched prompt see only the retained tokens, the block
-    and itself (the history's keys see their whole past, as the one lossless prefill computed them)."""
+def held_positions(layer) -> list[list[int]]:
+    """The positions a layer holds per KV head (batch row 0): its ragged segments, then its dense store's."""
+    heads = [[] for _ in range(layer.store.keys.shape[1] if not layer.parts else layer.parts[0].kv_heads)]
+    for part in layer.parts_of(RaggedKV):
+        for head, (a, b) in enumerate(itertools.pairwise(part.offsets[: len(heads) + 1].tolist())):
+            heads[head] += part.positions[a:b].tolist()
+    if not layer.store.is_empty:
+        for head, row in enumerate(layer.store.positions[0].tolist()):
+            heads[head] += row
+    return heads
+
+
+def head_mask(visible: torch.Tensor) -> torch.Tensor:
+    """An additive eager-attention mask from ``visible [query heads, queries, keys]``."""
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[None]
+
+
+def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[list[int]]:
+    """Positions a one-layer model keeps per KV head: routing and the patched prompt written out, then each block
+    scored by an eager forward whose mask lets the patched prompt see, in each KV head's query heads, only that
+    head's retained tokens, the block and itself (the history's keys see their whole past, as the one lossless
+    prefill computed them); ``level=pair`` ranks the heads' candidates together."""
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
+    kv_heads = model.config.num_key_value_heads
+    group = model.config.num_attention_heads // kv_heads
     n = len(ids)
     plan = plan_conversation(ids, tokenizer, method.utterances, method.window)
     history = plan.question_start
@@ -178,36 +199,51 @@ def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[i
         patched.append((i, ids[a : min(b, a + room)]))
         room -= b - a
     prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + [t for _, p in sorted(patched) for t in p]
-    kept: list[int] = []
+    kept: list[list[int]] = [[] for _ in range(kv_heads)]
     for start in range(0, history, method.block):
         stop = min(start + method.block, history)
-        candidates = kept + list(range(start, stop))
-        if len(candidates) <= budget:
+        candidates = [held + list(range(start, stop)) for held in kept]
+        counts = [len(c) for c in candidates]
+        if (max(counts) <= budget) if method.level == "pair-uniform" else (sum(counts) <= budget * kv_heads):
             kept = candidates
             continue
         total = stop + len(prompt)
-        visible = torch.ones(total, total).tril().bool()
-        visible[stop:, :stop] = False
-        visible[stop:, candidates] = True
-        mask = torch.zeros(1, 1, total, total).masked_fill(~visible, torch.finfo(torch.float32).min)
+        visible = torch.ones(kv_heads * group, total, total).tril().bool()
+        visible[:, stop:, :stop] = False
+        for head in range(kv_heads):
+            visible[head * group : (head + 1) * group, stop:, candidates[head]] = True
         with torch.no_grad():
-            attention = eager(torch.tensor([ids[:stop] + prompt]), attention_mask=mask, output_attentions=True,
-                              logits_to_keep=1).attentions[0]
-        scores = attention[0, :, stop:, candidates].amax(dim=(0, 1))
-        kept = sorted(candidates[i] for i in scores.topk(budget).indices.tolist())
-    return kept + list(range(history, n))
+            attention = eager(torch.tensor([ids[:stop] + prompt]), attention_mask=head_mask(visible),
+                              output_attentions=True, logits_to_keep=1).attentions[0]  # fmt: skip
+        scored = [(float(score), head, position) for head in range(kv_heads)
+                  for score, position in zip(attention[0, head * group : (head + 1) * group, stop:][..., candidates[head]]
+                                             .amax(dim=(0, 1)).tolist(), candidates[head])]  # fmt: skip
+        if method.level == "pair-uniform":
+            winners = [entry for head in range(kv_heads)
+                       for entry in sorted((e for e in scored if e[1] == head), reverse=True)[:budget]]  # fmt: skip
+        else:
+            winners = sorted(scored, reverse=True)[: budget * kv_heads]
+        kept = [sorted(position for _, h, position in winners if h == head) for head in range(kv_heads)]
+    return [held + list(range(history, n)) for held in kept]
 
 
-@pytest.mark.parametrize("block, embedding", [(256, "tfidf"), (5000, "tfidf"), (256, "states")])
-def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding):
-    model = tiny(tokenizer, layers=1, kv_heads=1, seed=2)
+@pytest.mark.parametrize(
+    "block, embedding, kv_heads, level",
+    [(256, "tfidf", 1, "pair"), (5000, "tfidf", 1, "pair"), (256, "states", 1, "pair"), (256, "tfidf", 2, "pair"),
+     (256, "tfidf", 2, "pair-uniform")],
+)  # fmt: skip
+def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding, kv_heads, level):
+    model = tiny(tokenizer, layers=1, kv_heads=kv_heads, seed=2)
     ids = conversation(tokenizer, depth=0.2)[:-1]
-    method = EpiCache(ratio=0.75, episodes=3, utterances=2, medoids=3, block=block, patch=200, embedding=embedding)
+    method = EpiCache(ratio=0.75, episodes=3, utterances=2, medoids=3, block=block, patch=200, embedding=embedding,
+                      level=level)  # fmt: skip
     cache = kvopt.cache([method], model)
     cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
     (layer,) = cache.layers
     kept = reference_kept(model, tokenizer, ids, method)
-    assert layer.store.positions[0, 0].tolist() == kept
+    assert held_positions(layer) == kept
+    if kv_heads > 1 and level == "pair":
+        assert len({len(head) for head in kept}) > 1  # the heads shared the budget unequally
     assert layer.seen == len(ids) and not layer.store.has_extra("kvzip")
     # Decoding reads exactly the kept tokens: the next token's logits are an eager forward's that sees only them.
     following = tokenizer(" The", add_special_tokens=False)["input_ids"]
@@ -217,37 +253,47 @@ def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding):
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     total = len(ids) + 1
-    visible = torch.zeros(total, dtype=torch.bool)
-    visible[kept + [len(ids)]] = True
-    mask = torch.zeros(1, 1, 1, total).masked_fill(~visible, torch.finfo(torch.float32).min)
-    full = torch.ones(1, 1, total - 1, total).tril(diagonal=0).bool()  # earlier rows: ordinary causal
-    mask = torch.cat([torch.zeros(1, 1, total - 1, total).masked_fill(~full, torch.finfo(torch.float32).min), mask], 2)
+    visible = torch.ones(model.config.num_attention_heads, total, total).tril().bool()  # earlier rows: causal
+    visible[:, -1] = False
+    group = model.config.num_attention_heads // kv_heads
+    for head in range(kv_heads):
+        visible[head * group : (head + 1) * group, -1, kept[head] + [len(ids)]] = True
     with torch.no_grad():
-        expected = eager(torch.tensor([ids + following]), attention_mask=mask).logits[0, -1]
+        expected = eager(torch.tensor([ids + following]), attention_mask=head_mask(visible)).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bytes_drop_to_the_budget_and_match_snapkv(tokenizer, tiny_with_tokenizer):
-    """Every layer and KV head holds the budget (question included), nothing of the patched prompt; the bytes
-    are those of its tokens and their positions, as snapkv's at the same budget, under a third of full's."""
+@pytest.mark.parametrize("level", ["pair", "pair-uniform", "global"])
+def test_bytes_drop_to_the_budget_and_match_snapkv(tokenizer, tiny_with_tokenizer, level):
+    """Every layer holds the budget per KV head (question included; ``pair``: on average over its heads, which
+    choose their own counts; ``global``: on average over every layer's heads), nothing of the patched prompt; the
+    bytes are those of its tokens and their positions (and the ragged segments' offsets), as snapkv's at the same
+    budget, under a third of full's."""
     model = tiny_with_tokenizer[0]
     ids = torch.tensor([conversation(tokenizer, depth=0.9)])
     held = {}
-    for spec in ("full", "snapkv:budget=300", "epicache:budget=300,block=512"):
+    for spec in ("full", "snapkv:budget=300", f"epicache:budget=300,block=512,level={level}"):
         cache = kvopt.cache(spec, model)
         with torch.no_grad():
             cache.prefill(model, ids, tokenizer=tokenizer)
         held[spec] = cache
-    epi = held["epicache:budget=300,block=512"]
-    for layer in epi.layers:
-        positions = layer.store.positions[0]
-        assert positions.shape[-1] == 300 and int(positions.max()) < ids.shape[1]
-        assert len({tuple(head.tolist()) for head in positions}) == positions.shape[0]  # heads choose their own
+    epi = held[f"epicache:budget=300,block=512,level={level}"]
     config = model.config
+    heads = config.num_key_value_heads
+    held_per_layer = []
+    for layer in epi.layers:
+        positions = held_positions(layer)
+        held_per_layer.append(sum(map(len, positions)))
+        assert max(map(max, positions)) < ids.shape[1]
+        assert len({tuple(head) for head in positions}) == heads  # heads choose their own
+        assert level != "pair-uniform" or {len(head) for head in positions} == {300}
+    assert sum(held_per_layer) == 300 * heads * config.num_hidden_layers
+    assert level == "global" or set(held_per_layer) == {300 * heads}
     head_dim = config.hidden_size // config.num_attention_heads
-    per_token = config.num_key_value_heads * (2 * head_dim * 4 + 4)  # fp32 keys and values, int32 positions
-    assert epi.nbytes() == config.num_hidden_layers * 300 * per_token  # snapkv's too, but its ~3% room to grow
-    assert epi.nbytes() <= held["snapkv:budget=300"].nbytes() < held["full"].nbytes() / 3
+    per_token = heads * (2 * head_dim * 4 + 4)  # fp32 keys and values, int32 positions
+    offsets = 0 if level == "pair-uniform" else (heads + 1) * 8  # int64, one per ragged segment and one more
+    assert epi.nbytes() == config.num_hidden_layers * (300 * per_token + offsets)
+    assert epi.nbytes() <= held["snapkv:budget=300"].nbytes() < held["full"].nbytes() / 3  # snapkv: ~3% room to grow
 
 
 @pytest.mark.parametrize("budgets", ["pyramid", "xkv"])
@@ -265,7 +311,7 @@ def test_layers_share_the_budget_by_the_allocator(tokenizer, budgets):
     cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
     uniform = int(len(ids) * 0.25)
     expected = [method.layer_budget(uniform, len(ids), index, 4) for index in range(4)]
-    assert [layer.store.positions.shape[-1] for layer in cache.layers] == expected
+    assert [sum(map(len, held_positions(layer))) // 2 for layer in cache.layers] == expected
     assert sum(expected) == 4 * uniform and len(set(expected)) > 1
     uniform_cache = kvopt.cache("epicache:ratio=0.75,block=512,window=48", model)
     uniform_cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
@@ -303,6 +349,8 @@ def test_engine_outputs_equal_generate(tokenizer, tiny_with_tokenizer):
         ("epicache:budget=300,utterances=0", "utterances=0 must be >= 1"),
         ("epicache:episodes=4", "give exactly one of ratio"),
         ("epicache:ratio=0.75,embedding=bert", "embedding='bert' is not a segment space; use one of tfidf, states"),
+        ("epicache:ratio=0.75,level=head", "level='head' is not a budget level; use one of pair, pair-uniform, global"),
+        ("epicache:ratio=0.75,level=global,budgets=xkv", "level=global ranks every layer's tokens together"),
     ],
 )
 def test_bad_parameters_are_one_line(tiny_with_tokenizer, spec, message):
@@ -343,4 +391,4 @@ def test_short_budgets_keep_the_question_end_within_the_budget(tokenizer, tiny_w
     cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
     keep = int(len(ids) * (1 - ratio))
     for layer in cache.layers:
-        assert layer.store.positions[0].tolist() == [list(range(len(ids) - keep, len(ids)))] * 2
+        assert held_positions(layer) == [list(range(len(ids) - keep, len(ids)))] * 2

@@ -96,7 +96,8 @@ class EpisodicConversation:
             patched = patched_prompt(ids, plan.segments, points, labels, centroids, episode, self.method.medoids,
                                      self.method.patch)  # fmt: skip
             budgets = self.method.layer_targets(cache.layers, len(ids))
-            compress_blockwise(cache, model, ids, len(ids), budgets, instruction + patched, self.method.block)
+            compress_blockwise(cache, model, ids, len(ids), budgets, instruction + patched, self.method.block,
+                               self.method.level)
             episodes.append(cache_bytes(cache, model, self.encoding))
         self.history, self.digest, self.space, self.centroids, self.episodes = len(ids), token_digest(ids), space, centroids, episodes
 

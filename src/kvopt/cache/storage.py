@@ -64,12 +64,14 @@ class DenseKVStore:
     def wrap(
         cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None, first_position: int = 0,
         heads_aligned: bool = True, extras: dict[str, torch.Tensor] | None = None, live: int | None = None,
+        valid: torch.Tensor | None = None,
     ) -> DenseKVStore:  # fmt: skip
-        """A store over existing tensors (no copy), every token real: how the serving engine shows one
-        sequence's tokens, kept in its paged blocks, to the methods. ``positions [batch, kv_heads, tokens]``,
-        or None for a run from ``first_position``; ``extras`` are the methods' per-token tensors by name.
-        The first ``live`` tokens (default: all) are stored; the rest of the tensors is room that appends
-        fill in place. Evicting or moving tokens installs fresh buffers."""
+        """A store over existing tensors (no copy): how the serving engine shows one sequence's tokens, kept in
+        its paged blocks, to the methods. ``positions [batch, kv_heads, tokens]``, or None for a run from
+        ``first_position``; ``extras`` are the methods' per-token tensors by name; ``valid [batch, kv_heads,
+        tokens]`` marks the slots that hold a token (heads holding different counts, padded to one length), or
+        None: every token real. The first ``live`` tokens (default: all) are stored; the rest of the tensors is
+        room that appends fill in place. Evicting or moving tokens installs fresh buffers."""
         store = cls()
         store._buffers = {"keys": keys, "values": values}
         if positions is not None:
@@ -79,6 +81,9 @@ class DenseKVStore:
             store.first_position = first_position
         for name, tensor in (extras or {}).items():
             store._buffers[f"extra:{name}"] = tensor
+        if valid is not None:
+            store._buffers["valid"] = valid
+            store.all_valid = False
         store.end = keys.shape[TOKEN_AXIS] if live is None else live
         store.heads_aligned = heads_aligned
         return store

@@ -26,11 +26,17 @@ How this implementation chooses where the paper leaves a choice:
   of their softmax attention (:func:`kvopt.methods.kvzip.score_reconstruction`); the patched prompt sits at the
   positions after the block, is attended over the retained tokens and the block, then forgotten.
 - **Block-wise prefill eviction** walks the history in blocks of ``block`` tokens: the retained tokens plus
-  the block are re-scored whenever they exceed the budget and the best ``budget`` per KV head stay (the paper's
-  ``pair-uniform`` level). Deviation: each block's keys and values come from the one lossless prefill every
-  kvopt method runs (``cache.prefill``), so they were computed with the whole past in view where the paper
-  computes them over the compressed past; peak memory while it runs is the full prompt's, as KVzip's.
-  The patched prompt is at most ``patch`` tokens (its segments nearest the centroid first, the last one cut).
+  the block are re-scored whenever they exceed the budget and the best stay. ``level`` says among what they
+  are ranked: ``pair`` (the paper's default) ranks a layer's KV heads together, so heads keep different numbers
+  of tokens (ragged storage, ``budget`` per head on average); ``pair-uniform`` keeps ``budget`` in every head;
+  ``global`` (KVzip's default, not the paper's) ranks every layer's heads together. Deviation: each block's keys
+  and values come from the one lossless prefill every kvopt method runs (``cache.prefill``), so they were
+  computed with the whole past in view where the paper computes them over the compressed past; peak memory
+  while it runs is the full prompt's, as KVzip's. The patched prompt is at most ``patch`` tokens (its segments
+  nearest the centroid first, the last one cut); the paper sets no cap. The first measured version had
+  ``level=pair-uniform,patch=1024``: a patch cut at 1,024 tokens left most of an episode of ~400-token segments
+  unscored, and one ranking per head lost facts a layer's other heads would have kept (measured on Qwen's
+  long-conversation misses: section "Long conversations" of BENCHMARKS.md names both specs).
 - **Budgets**: ``budget`` (or ``ratio``) is the prompt's share per layer and KV head, question included, as
   for SnapKV, so equal specs hold equal bytes (a question longer than the budget keeps its last tokens only).
   The layers share it by ``budgets=`` (:mod:`kvopt.methods.budgets`): ``uniform``, ``pyramid`` or ``xkv``, a
@@ -49,7 +55,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
+from kvopt.cache.ragged import RaggedKV
 from kvopt.cache.storage import DenseKVStore
 from kvopt.errors import CacheUsageError, MethodParameterError
 from kvopt.methods.base import register
@@ -65,6 +73,10 @@ INSTRUCTION = "\n\nExtract essential information from this conversation segment:
 SHORT_LINE = 4
 #: A longer line is cut into blocks of this many tokens (text without line breaks: fixed blocks).
 LONG_LINE = 256
+#: How the budget is shared, the paper's ``level`` and KVzip's global one: ``pair`` ranks a layer's KV heads together
+#: (Ada-KV's variable-length heads), ``pair-uniform`` keeps the budget in every head, ``global`` ranks every layer's
+#: heads together (KVzip's ``budgets=global``).
+LEVELS = ("pair", "pair-uniform", "global")
 #: sklearn's KMeans defaults as the paper calls it: starts and seed.
 KMEANS_STARTS, KMEANS_SEED = 10, 42
 
@@ -83,9 +95,12 @@ class EpiCache(LayerBudgets):
     utterances: int = field(default=4, metadata={"help": "lines per segment (the unit clustered)"})
     medoids: int = field(default=8, metadata={"help": "segments nearest the centroid forming the patched prompt"})
     block: int = field(default=2048, metadata={"help": "history tokens per prefill block (eviction after each)"})
-    patch: int = field(default=1024, metadata={"help": "most tokens of the patched prompt (nearest segments first)"})
+    patch: int = field(default=4096, metadata={"help": "most tokens of the patched prompt (nearest segments first)"})
     window: int = field(default=64, metadata={"help": "last prompt tokens searched for the question, kept"})
     embedding: str = field(default="tfidf", metadata={"help": "segment vectors: tfidf (token weights) or states (the model's)"})
+    level: str = field(
+        default="pair", metadata={"help": "pair: a layer's KV heads share its budget (the paper's default); pair-uniform: equal; global: all"}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -97,9 +112,21 @@ class EpiCache(LayerBudgets):
                 raise MethodParameterError(
                     f"epicache: {name}={getattr(self, name)} must be >= 16 tokens, e.g. epicache:{name}=1024"
                 )
+        if self.level not in LEVELS:
+            raise MethodParameterError(f"epicache: level={self.level!r} is not a budget level; use one of "
+                                       f"{', '.join(LEVELS)}, e.g. epicache:level=pair")  # fmt: skip
+        if self.level == "global" and self.budgets != "uniform":
+            raise MethodParameterError(f"epicache: level=global ranks every layer's tokens together, so budgets="
+                                       f"{self.budgets} has no layer shares to set; use level=pair with budgets={self.budgets}, "
+                                       "or level=global alone")  # fmt: skip
         if self.embedding not in SPACES:
             raise MethodParameterError(f"epicache: embedding={self.embedding!r} is not a segment space; use one of "
                                        f"{', '.join(SPACES)}, e.g. epicache:embedding=tfidf")  # fmt: skip
+
+    @property
+    def storage(self) -> str | None:
+        """Heads sharing a layer's budget hold different counts: ragged storage (:func:`kvopt.methods.spec.storage`)."""
+        return None if self.level == "pair-uniform" else "ragged"
 
     def check_model(self, model) -> None:
         super().check_model(model)
@@ -130,7 +157,7 @@ class EpiCache(LayerBudgets):
             episode = route(space.points(model, [ids[question:]])[0], centroids)
             patched = patched_prompt(ids, plan.segments, points, labels, centroids, episode, self.medoids, self.patch)
             prompt = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"] + patched
-        compress_blockwise(cache, model, ids, question, budgets, prompt, self.block)
+        compress_blockwise(cache, model, ids, question, budgets, prompt, self.block, self.level)
 
     def cluster(self, model, segments: list[list[int]]) -> tuple[SegmentSpace, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(space, points, labels, centroids)``: the ``embedding=`` space fitted on the history's ``segments``,
@@ -241,22 +268,25 @@ def patched_prompt(
 
 
 def compress_blockwise(
-    cache, model, ids: list[int], history: int, budgets: list[int], prompt: list[int], block: int
+    cache, model, ids: list[int], history: int, budgets: list[int], prompt: list[int], block: int, level: str
 ) -> None:  # fmt: skip
-    """Walk ``ids[:history]`` in blocks; keep per layer and KV head the ``budgets[layer]`` tokens the patched
-    ``prompt`` attends to most whenever the retained tokens plus the block exceed it; then hold them and the question."""
+    """Walk ``ids[:history]`` in blocks; whenever the retained tokens plus the block exceed the budget, keep the
+    ``budgets[layer]`` tokens per KV head the patched ``prompt`` attends to most (ranked within each head, each
+    layer or the whole cache by ``level``: :func:`sharing`); then hold them and the question."""
     layers = cache.layers
     full = [(layer.store.keys, layer.store.values) for layer in layers]
     heads, device = full[0][0].shape[1], full[0][0].device
-    kept = [torch.empty(heads, 0, dtype=torch.long, device=device) for _ in layers]
+    nothing = torch.empty(0, dtype=torch.long, device=device)
+    row_budgets = [budget for budget in budgets for _ in range(heads)]  # rows: (layer, KV head), layer-major
+    groups = sharing(level, len(layers), heads)
+    kept = [nothing] * len(row_budgets)
     for start in range(0, history, block):
         stop = min(start + block, history)
-        fresh = torch.arange(start, stop, device=device).expand(heads, -1)
-        kept = [torch.cat([held, fresh], dim=1) for held in kept]
-        if all(held.shape[1] <= budget or not budget for held, budget in zip(kept, budgets)):
-            kept = [held[:, :budget] for held, budget in zip(kept, budgets)]
+        fresh = torch.arange(start, stop, device=device)
+        kept = [torch.cat([held, fresh]) if budget else nothing for held, budget in zip(kept, row_budgets)]
+        if all(fits(kept, row_budgets, group) for group in groups):
             continue
-        install(layers, full, kept, stop, scoring=True)
+        install(layers, full, by_layer(kept, heads), stop, scoring=True)
         fed = torch.as_tensor([prompt[: max(1, (cache.info.max_positions or len(ids)) - stop)]], device=device)
         try:
             with torch.no_grad():
@@ -265,27 +295,65 @@ def compress_blockwise(
         finally:
             for layer in layers:
                 layer.mode = None
-        kept = [best(layer.store.extra(EXTRA)[0], held, budget) for layer, held, budget in zip(layers, kept, budgets)]
-    question = torch.arange(history, len(ids), device=device).expand(heads, -1)
-    install(layers, full, [torch.cat([held, question], dim=1) for held in kept], len(ids), scoring=False)
+        scores = [row for layer in layers for row in layer.store.extra(EXTRA)[0].float()]
+        for group in groups:
+            if not fits(kept, row_budgets, group):
+                for row, positions in zip(group, best([scores[r] for r in group], [kept[r] for r in group],
+                                                      sum(row_budgets[r] for r in group))):  # fmt: skip
+                    kept[row] = positions
+    question = torch.arange(history, len(ids), device=device)
+    held = [torch.cat([positions, question]) for positions in kept]
+    install(layers, full, by_layer(held, heads), len(ids), scoring=False, ragged=level != "pair-uniform")
 
 
-def best(scores: torch.Tensor, held: torch.Tensor, budget: int) -> torch.Tensor:
-    """The ``budget`` positions of ``held [heads, tokens]`` with the highest ``scores``, per head, in order (all of
-    them when they fit)."""
-    if held.shape[1] <= budget:
-        return held
-    return held.gather(1, scores.topk(budget, dim=-1).indices).sort(dim=-1).values
+def sharing(level: str, layers: int, heads: int) -> list[list[int]]:
+    """The groups of rows ``layer * heads + head`` that share their budgets at ``level``: each row alone
+    (``pair-uniform``), each layer's heads (``pair``) or every row (``global``)."""
+    rows = list(range(layers * heads))
+    if level == "pair-uniform":
+        return [[row] for row in rows]
+    if level == "pair":
+        return [rows[layer * heads : (layer + 1) * heads] for layer in range(layers)]
+    return [rows]
 
 
-def install(layers, full, kept: list[torch.Tensor], seen: int, scoring: bool) -> None:
-    """Make each layer hold exactly the tokens at positions ``kept[layer] [heads, tokens]`` of ``full``, having
-    seen ``seen`` tokens; with ``scoring``, the next forward scores them (KVzip's mode) and is then forgotten."""
-    for layer, (keys, values), positions in zip(layers, full, kept):
-        index = positions[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
-        layer.store = DenseKVStore.wrap(
-            keys.gather(2, index), values.gather(2, index), positions[None].to(torch.int32), heads_aligned=False
-        )
+def by_layer(rows: list[torch.Tensor], heads: int) -> list[list[torch.Tensor]]:
+    return [rows[start : start + heads] for start in range(0, len(rows), heads)]
+
+
+def fits(kept: list[torch.Tensor], budgets: list[int], group: list[int]) -> bool:
+    """Whether the ``group``'s rows hold no more positions than their budgets together."""
+    return sum(len(kept[row]) for row in group) <= sum(budgets[row] for row in group)
+
+
+def best(scores: list[torch.Tensor], held: list[torch.Tensor], budget: int) -> list[torch.Tensor]:
+    """Of the positions ``held[row]`` (scored in order by ``scores[row]``, which may run past them), the ``budget``
+    best of all the rows together, each row's in order."""
+    slots = max(len(positions) for positions in held)
+    pooled = torch.full((len(held), slots), float("-inf"), device=scores[0].device)
+    for row, (score, positions) in enumerate(zip(scores, held)):
+        pooled[row, : len(positions)] = score[: len(positions)]
+    winners = pooled.flatten().topk(budget).indices
+    return [positions[(winners[winners // slots == row] % slots).sort().values] for row, positions in enumerate(held)]
+
+
+def install(layers, full, kept: list[list[torch.Tensor]], seen: int, scoring: bool, ragged: bool = False) -> None:
+    """Make each layer hold exactly the tokens at positions ``kept[layer][head]`` of ``full``, having seen ``seen``
+    tokens: dense, heads padded to one length with the padding invalid, or with ``ragged`` in ragged storage (heads
+    holding different counts, no padding: the bytes are the kept tokens'). With ``scoring``, the next forward
+    scores them (KVzip's mode) and is then forgotten."""
+    for layer, (keys, values), per_head in zip(layers, full, kept):
+        counts = [len(positions) for positions in per_head]
+        if ragged:
+            layer.store = DenseKVStore.wrap(keys, values)
+            RaggedKV.move_into(layer, per_head)
+        else:
+            length = max(counts)
+            positions = torch.stack([nn.functional.pad(held, (0, length - len(held))) for held in per_head])
+            valid = torch.arange(length, device=positions.device) < torch.tensor(counts, device=positions.device)[:, None]
+            index = positions[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+            layer.store = DenseKVStore.wrap(keys.gather(2, index), values.gather(2, index), positions[None].to(torch.int32),
+                                            heads_aligned=False, valid=None if bool(valid.all()) else valid[None])  # fmt: skip
         layer.seen, layer.seen_real = seen, seen
         if scoring:
             layer.store.add_extra(EXTRA)
