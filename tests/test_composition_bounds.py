@@ -17,6 +17,7 @@ PROMPT, NEW_TOKENS = 160, 32
 #: One eviction spec per registered eviction method (both budget forms where they differ in schedule).
 EVICTIONS = [f"{cls.name}:ratio=0.5" for cls in available() if evicts(cls)] + [
     "window:size=64", "h2o:budget=64", "tova:budget=64", "streamingllm:budget=64", "morphkv:budget=64",
+    "epicache:ratio=0.5,level=pair-uniform",  # every head keeps its share in the dense store, as tokenquant needs
 ]  # fmt: skip
 #: The methods that move tokens out of the dense store, with settings that make them act on a short prompt.
 QUANTIZERS = [
@@ -33,9 +34,9 @@ COMPOSABLE = {
     ("window:ratio=0.5", "minicache:start=0.3"),
     ("rocketkv:ratio=0.5", "tokenquant:bits=4,group=16,residual=16"),  # stage 2's rows quantized per token
     # kivi after head-wise budgets (ragged rows quantized per token) and after whole-prompt passes (it waits for them)
-    *((f"{name}:ratio=0.5", "kivi:bits=2,residual=32") for name in ("adakv", "kvzip", "shallowzip", "surprisal")),
-    *((f"{name}:ratio=0.5", "tokenquant:bits=4,group=16,residual=16") for name in ("surprisal", "epicache")),
-    ("epicache:ratio=0.5", "kivi:bits=2,residual=32"),
+    *((f"{name}:ratio=0.5", "kivi:bits=2,residual=32") for name in ("adakv", "kvzip", "shallowzip", "surprisal", "epicache")),
+    *((f"{name}", "tokenquant:bits=4,group=16,residual=16") for name in ("surprisal:ratio=0.5", "epicache:ratio=0.5,level=pair-uniform")),
+    ("epicache:ratio=0.5,level=pair-uniform", "kivi:bits=2,residual=32"),
 }
 
 
