@@ -43,7 +43,7 @@ CONDITIONS = "1 torch thread; another one-thread benchmark ran on the other core
 COMPRESSIONS = {4: 0.75, 6: round(5 / 6, 4)}
 #: epicache as first measured (``level=pair-uniform,patch=1024``, then its defaults) beside its defaults since.
 FIRST_EPICACHE = "level=pair-uniform,patch=1024"
-CONVERSATION_METHODS = ["epicache", "epicache:level=global", f"epicache:{FIRST_EPICACHE}", f"epicache:budgets=xkv,{FIRST_EPICACHE}",
+CONVERSATION_METHODS = ["epicache", "epicache:level=pair", f"epicache:{FIRST_EPICACHE}", f"epicache:budgets=xkv,{FIRST_EPICACHE}",
                         "snapkv", "pyramidkv", "adakv", "kvzip", "streamingllm"]  # fmt: skip
 CONVERSATION_LENGTHS = [4096]
 CONVERSATION_DEPTHS = 3

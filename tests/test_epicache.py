@@ -230,7 +230,7 @@ def reference_kept(model, tokenizer, ids: list[int], method: EpiCache) -> list[l
 @pytest.mark.parametrize(
     "block, embedding, kv_heads, level",
     [(256, "tfidf", 1, "pair"), (5000, "tfidf", 1, "pair"), (256, "states", 1, "pair"), (256, "tfidf", 2, "pair"),
-     (256, "tfidf", 2, "pair-uniform")],
+     (256, "tfidf", 2, "pair-uniform"), (256, "tfidf", 2, "global")],
 )  # fmt: skip
 def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding, kv_heads, level):
     model = tiny(tokenizer, layers=1, kv_heads=kv_heads, seed=2)
@@ -242,7 +242,7 @@ def test_kept_tokens_match_the_slow_reference(tokenizer, block, embedding, kv_he
     (layer,) = cache.layers
     kept = reference_kept(model, tokenizer, ids, method)
     assert held_positions(layer) == kept
-    if kv_heads > 1 and level == "pair":
+    if kv_heads > 1 and level != "pair-uniform":
         assert len({len(head) for head in kept}) > 1  # the heads shared the budget unequally
     assert layer.seen == len(ids) and not layer.store.has_extra("kvzip")
     # Decoding reads exactly the kept tokens: the next token's logits are an eager forward's that sees only them.
@@ -302,7 +302,7 @@ def test_layers_share_the_budget_by_the_allocator(tokenizer, budgets):
     the same total as uniform; xkv reads measured curves (set here as a calibration would)."""
     model = tiny(tokenizer, layers=4, kv_heads=2)
     ids = conversation(tokenizer, depth=0.5)[:-1]
-    method = EpiCache(ratio=0.75, block=512, window=48, budgets=budgets, beta=4)
+    method = EpiCache(ratio=0.75, block=512, window=48, budgets=budgets, beta=4, level="pair")
     if budgets == "xkv":  # concave retention curves, one layer's attention far more spread than the others'
         gains = torch.linspace(1, 0, 64, dtype=torch.float64)[None] ** torch.tensor([[1.0], [4.0], [8.0], [16.0]])
         curves = torch.cat([torch.zeros(4, 1, dtype=torch.float64), gains.cumsum(-1)], -1)
@@ -313,7 +313,7 @@ def test_layers_share_the_budget_by_the_allocator(tokenizer, budgets):
     expected = [method.layer_budget(uniform, len(ids), index, 4) for index in range(4)]
     assert [sum(map(len, held_positions(layer))) // 2 for layer in cache.layers] == expected
     assert sum(expected) == 4 * uniform and len(set(expected)) > 1
-    uniform_cache = kvopt.cache("epicache:ratio=0.75,block=512,window=48", model)
+    uniform_cache = kvopt.cache("epicache:ratio=0.75,block=512,window=48,level=pair", model)
     uniform_cache.prefill(model, torch.tensor([ids]), tokenizer=tokenizer)
     assert cache.nbytes() == uniform_cache.nbytes()
 
@@ -349,8 +349,8 @@ def test_engine_outputs_equal_generate(tokenizer, tiny_with_tokenizer):
         ("epicache:budget=300,utterances=0", "utterances=0 must be >= 1"),
         ("epicache:episodes=4", "give exactly one of ratio"),
         ("epicache:ratio=0.75,embedding=bert", "embedding='bert' is not a segment space; use one of tfidf, states"),
-        ("epicache:ratio=0.75,level=head", "level='head' is not a budget level; use one of pair, pair-uniform, global"),
-        ("epicache:ratio=0.75,level=global,budgets=xkv", "level=global ranks every layer's tokens together"),
+        ("epicache:ratio=0.75,level=head", "level='head' is not a budget level; use one of global, pair, pair-uniform"),
+        ("epicache:ratio=0.75,budgets=xkv", "ranks every layer's tokens together, so budgets=xkv has no layer shares"),
     ],
 )
 def test_bad_parameters_are_one_line(tiny_with_tokenizer, spec, message):
