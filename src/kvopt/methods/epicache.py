@@ -31,14 +31,14 @@ How this implementation chooses where the paper leaves a choice:
   heads keep different numbers of tokens (ragged storage, ``budget`` per head on average); ``pair`` (the paper's
   default) ranks each layer's heads together; ``pair-uniform`` keeps ``budget`` in every head. Deviation from the
   paper's default, measured: on Qwen's long conversations ``global`` kept far more of ``full``'s answers than
-  ``pair``, which kept fewer than ``pair-uniform`` (section "Long conversations" of BENCHMARKS.md). Deviation: each block's keys
-  and values come from the one lossless prefill every kvopt method runs (``cache.prefill``), so they were
-  computed with the whole past in view where the paper computes them over the compressed past; peak memory
-  while it runs is the full prompt's, as KVzip's. The patched prompt is at most ``patch`` tokens (its segments
+  ``pair``, which kept fewer than ``pair-uniform`` (section "Long conversations" of BENCHMARKS.md). Another
+  deviation: each block's keys and values come from the one lossless prefill every kvopt method runs
+  (``cache.prefill``), so they were computed with the whole past in view where the paper computes them over the
+  compressed past; peak memory while it runs is the full prompt's, as KVzip's. The patched prompt is at most ``patch`` tokens (its segments
   nearest the centroid first, the last one cut); the paper sets no cap. The first measured version had
   ``level=pair-uniform,patch=1024``: a patch cut at 1,024 tokens left most of an episode of ~400-token segments
-  unscored, and one ranking per head lost facts a layer's other heads would have kept (measured on Qwen's
-  long-conversation misses: section "Long conversations" of BENCHMARKS.md names both specs).
+  unscored, and ranking each head alone (or each layer's heads) lost facts that one ranking over every layer kept
+  (measured on Qwen's long-conversation misses: section "Long conversations" of BENCHMARKS.md names both specs).
 - **Budgets**: ``budget`` (or ``ratio``) is the prompt's share per layer and KV head, question included, as
   for SnapKV, so equal specs hold equal bytes (a question longer than the budget keeps its last tokens only).
   The layers share it by ``budgets=`` (:mod:`kvopt.methods.budgets`): ``uniform``, ``pyramid`` or ``xkv``, a
@@ -127,7 +127,8 @@ class EpiCache(LayerBudgets):
 
     @property
     def storage(self) -> str | None:
-        """Heads sharing a layer's budget hold different counts: ragged storage (:func:`kvopt.methods.spec.storage`)."""
+        """Heads sharing a budget (``global``, ``pair``) hold different counts: ragged storage
+        (:func:`kvopt.methods.spec.storage`)."""
         return None if self.level == "pair-uniform" else "ragged"
 
     def check_model(self, model) -> None:
@@ -345,11 +346,11 @@ def install(layers, full, kept: list[list[torch.Tensor]], seen: int, scoring: bo
     holding different counts, no padding: the bytes are the kept tokens'). With ``scoring``, the next forward
     scores them (KVzip's mode) and is then forgotten."""
     for layer, (keys, values), per_head in zip(layers, full, kept):
-        counts = [len(positions) for positions in per_head]
         if ragged:
             layer.store = DenseKVStore.wrap(keys, values)
             RaggedKV.move_into(layer, per_head)
         else:
+            counts = [len(positions) for positions in per_head]
             length = max(counts)
             positions = torch.stack([nn.functional.pad(held, (0, length - len(held))) for held in per_head])
             valid = torch.arange(length, device=positions.device) < torch.tensor(counts, device=positions.device)[:, None]
