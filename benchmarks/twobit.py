@@ -251,7 +251,7 @@ def main() -> None:
             "two_bit": [parse_contender(spec).spec for spec in TWO_BIT if not missing(spec)]}  # fmt: skip
     (args.work / PLAN).write_text(json.dumps(plan, indent=1) + "\n")
     started = time.perf_counter()
-    path = run_eval(grid, args.work, loaded=(model, tokenizer), log=print)
+    path = run_eval(grid, args.work, model_name=args.model, loaded=(model, tokenizer), log=print)
     eval_s = time.perf_counter() - started
     rows = {}
     for line in Path(path).read_text().splitlines():

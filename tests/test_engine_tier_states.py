@@ -7,11 +7,15 @@ import shutil
 
 import pytest
 
-from kvopt.engine import LLM, SamplingParams
-from redis_server import RedisServer
 from test_engine_compressed import generate_with_cache, prompts
+from test_engine_every_method import EVERY_METHOD, models, tokenizer  # noqa: F401 - fixtures
+from test_engine_every_method import generate_with_cache as generate_own_cache
 from test_engine_tiers import serve
 from tiny_models import tiny_model
+
+from kvopt.engine import LLM, SamplingParams
+from kvopt.engine.kv.cache_backed import CacheBackedKV
+from redis_server import RedisServer
 
 PROMPT = prompts([150], seed=5)[0]
 STATES = [
@@ -126,7 +130,32 @@ def test_damaged_or_misplaced_states_are_dropped_and_computed(model, tmp_path, d
         assert entries(folder)[0].read_bytes() == data  # dropped, computed, and stored anew
 
 
+@pytest.mark.parametrize("spec", [spec for spec in EVERY_METHOD if spec != "full"])
+def test_every_method_in_its_own_cache_serves_a_seen_prompt_from_its_saved_cache(spec, request, tmp_path):
+    """A sequence with its own cache (whole-prompt passes, non-uniform codes, sparse indexes, merged pairs) keeps
+    the cache after its prompt in the tiers as a session file holds it: the same prompt again skips the prompt pass
+    (kvzip's reconstruction included) and gives the same tokens as computing it."""
+    model, default_tokenizer = request.getfixturevalue("models")["llama"], request.getfixturevalue("tokenizer")
+    tiers, prompt = (f"disk:{tmp_path}:20MB",), prompts([130], seed=3)[0]
+    runs = []
+    for _ in range(2):
+        with LLM(copy.deepcopy(model), tokenizer=default_tokenizer, kv_memory="4MB", kv_tiers=tiers, kv_method=spec) as llm:
+            if not isinstance(llm.engine._compression(spec).new_kv(), CacheBackedKV):
+                pytest.skip(f"{spec} is held in the block layouts (covered above)")
+            assert llm.engine.keeps_prompt_state(spec)
+            (output,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+            assert output.error is None
+            llm.engine.offload.chain.flush()
+            runs.append((output.outputs[0].token_ids, output.metrics.cached_tokens, llm.metrics()))
+            assert llm.metrics()["kv_blocks_used"] == 0
+    (cold, _, first), (warm, cached, second) = runs
+    assert (first["kv_tiers"]["disk"]["stores"], second["kv_tiers"]["disk"]["hits"]) == (1, 1), (first, second)
+    assert cached == len(prompt)
+    assert warm == cold == generate_own_cache(model, default_tokenizer, spec, prompt, 6)
+
+
 def test_head_wise_budgets_keep_no_state(model, tmp_path):
+    assert not LLM(copy.deepcopy(model), kv_memory="2MB").engine.keeps_prompt_state("pyramidkv:ratio=0.5")
     tiers = (f"disk:{tmp_path}:10MB",)
     cold, first = serve(model, tiers, PROMPT, kv_method="pyramidkv:ratio=0.5")
     warm, second = serve(model, tiers, PROMPT, kv_method="pyramidkv:ratio=0.5")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,17 +59,21 @@ def rope_inv_freq(config, layer_idx: int, head_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
+@dataclass(eq=False)
 class RopeTable:
     """``exp(i * angle)`` of one layer's RoPE angles for positions ``0..N-1`` (complex64), grown by doubling.
 
     Decoding re-rotates every stored key at every step: looking its angles up costs a fraction
     of computing them. Shared by the layers with the same frequencies; a per-model cost
-    (``nbytes``), not a per-token one.
+    (``nbytes``), not a per-token one. A saved cache stores the frequencies only (the table is
+    not a field: it is rebuilt on use).
     """
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        self.inv_freq = inv_freq.float()
-        self.table = torch.empty(0, inv_freq.shape[0], dtype=torch.complex64, device=inv_freq.device)
+    inv_freq: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.inv_freq = self.inv_freq.float()
+        self.table = torch.empty(0, self.inv_freq.shape[0], dtype=torch.complex64, device=self.inv_freq.device)
 
     @property
     def pairs(self) -> int:

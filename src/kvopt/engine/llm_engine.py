@@ -317,6 +317,12 @@ class LLMEngine:
         spec: the methods' model checks and one-time preparation, e.g. a calibration)."""
         self._compression(spec)
 
+    def keeps_prompt_state(self, spec: str) -> bool:
+        """Whether a request of ``spec`` keeps its state after the prompt in the KV tiers (compressed sequences, where
+        their storage kind can; lossless ones share their blocks instead)."""
+        compression = self._compression(spec)
+        return compression is not None and compression.new_kv().keeps_prompt_state
+
     def _compression(self, spec: str) -> Compression | None:
         """The methods of ``spec``, checked for this model and the engine's blocks (None: lossless); cached per spec."""
         if spec not in self._compressions:

@@ -11,7 +11,8 @@ so an engine restarted on the same disk, or a replica on the same Redis, finds t
 
 A compressed sequence (``kv_method=...``) has no prefix blocks to share: its methods chose what to
 keep with the whole prompt in view. Right after its prompt's one-pass prefill its whole state
-(kept tokens, quantized groups, the methods' per-layer state) and the last position's logits go
+(kept tokens, quantized groups, the methods' per-layer state; a sequence with its own cache, the
+cache as a session file holds it) and the last position's logits go
 to the tiers as one entry, keyed by the fingerprint, the method spec and every prompt token; the
 same prompt again (a retried request, another replica, a restarted engine) installs it into free
 blocks and samples its first token from the stored logits, skipping the prefill: the same tokens
@@ -35,8 +36,8 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import torch
 
+from kvopt.engine.kv.base import StoredPrompt
 from kvopt.engine.kv.paged import PagedKVPool
-from kvopt.engine.kv.compressed import PromptState
 from kvopt.codec.blocks import decode_block, decode_state, encode_block, encode_state, snapshot_state
 from kvopt.codec.encodings import ENCODINGS
 from kvopt.codec.errors import CacheFileError
@@ -133,13 +134,13 @@ class KVOffload:
             restored.append(block_id)
         return restored
 
-    def restore_state(self, seq: Sequence) -> PromptState | None:
+    def restore_state(self, seq: Sequence) -> StoredPrompt | None:
         """A compressed sequence's state after its prompt, from the tiers (checked against its spec, prompt and
         layout; not yet in the pool), or None."""
         if not seq.kv.keeps_prompt_state:
             return None
 
-        def decode(data: bytes, source: str) -> PromptState:
+        def decode(data: bytes, source: str) -> StoredPrompt:
             state, meta = decode_state(data, self.fingerprint, self.model, source)
             if meta.get("spec") != _spec(seq) or meta.get("tokens") != seq.token_ids[: seq.num_prompt_tokens]:
                 raise ValueError(f"{source} holds another prompt or method")

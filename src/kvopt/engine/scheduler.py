@@ -26,9 +26,9 @@ from typing import Protocol
 
 import torch
 
-from kvopt.engine.kv.compressed import PromptState
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfig
+from kvopt.engine.kv.base import StoredPrompt
 from kvopt.engine.offload import KVOffload
 from kvopt.engine.sequence import Sequence, SequenceStatus
 from kvopt.speculative.control import DraftPace
@@ -233,7 +233,7 @@ class Scheduler:
             budget -= num_tokens
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
 
-    def _stored_state(self, seq: Sequence) -> PromptState | None:
+    def _stored_state(self, seq: Sequence) -> StoredPrompt | None:
         """A compressed prompt's state from the KV tiers (looked up once, at its first admission), or None."""
         if seq.kv.keeps_prompt_state and self.offload is not None and not seq.prefix_looked_up:
             seq.prefix_looked_up = True

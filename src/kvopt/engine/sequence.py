@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvopt.engine.kv.base import SequenceKV
-from kvopt.engine.kv.compressed import PromptState
+from kvopt.engine.kv.base import SequenceKV, StoredPrompt
 from kvopt.engine.kv.lossless import LosslessKV
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.speculative.control import DraftPace
@@ -51,7 +50,7 @@ class Sequence:
     #: A compressed sequence's blocks of quantized groups.
     code_table: list[int] = field(default_factory=list)
     #: A compressed prompt's state found in the KV tiers, until it is installed at admission.
-    prompt_state: PromptState | None = None
+    prompt_state: StoredPrompt | None = None
     finish_reason: str | None = None
     #: Per-request random stream (``SamplingParams.seed``), shared by the request's completions.
     generator: torch.Generator | None = None

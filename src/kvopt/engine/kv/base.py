@@ -24,7 +24,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from kvopt.engine.kv.paged import StepPlan
+    import torch
+
+    from kvopt.engine.kv.paged import PagedKVPool, StepPlan
     from kvopt.engine.sequence import Sequence
 
 
@@ -77,6 +79,33 @@ class SequenceKV(Protocol):
 
     def filled_slots(self, seq: Sequence, block_size: int) -> dict[int, int]:
         """Slots in use in each block it holds (what ``kv_cache_usage_perc`` reports)."""
+        ...
+
+
+class StoredPrompt(Protocol):
+    """A sequence's state right after its prompt, as the KV tiers keep it (one entry per spec and prompt)."""
+
+    #: fp32 logits of the prompt's last position ``[vocab]``: its first output token is sampled from them.
+    logits: torch.Tensor
+
+
+class KeepsPromptState(SequenceKV, Protocol):
+    """A kind whose ``keeps_prompt_state`` is true: its state after the prompt leaves the pool and comes back."""
+
+    def snapshot(self, pool: PagedKVPool, block_table: list[int], code_table: list[int], logits: torch.Tensor) -> StoredPrompt:
+        """Its state now (right after its prompt), copied: the sequence goes on changing it."""
+        ...
+
+    def check_state(self, state: StoredPrompt, pool: PagedKVPool) -> None:
+        """Raise (ValueError or the codec's error) unless a decoded tier entry fits this sequence."""
+        ...
+
+    def state_blocks(self, state: StoredPrompt) -> int:
+        """Blocks :meth:`install` needs for a checked ``state``."""
+        ...
+
+    def install(self, state: StoredPrompt, pool: PagedKVPool, block_table: list[int]) -> tuple[list[int], list[int]]:
+        """Write a checked ``state`` into ``block_table``; the sequence's ``(block table, code table)``."""
         ...
 
 

@@ -15,6 +15,11 @@ with no engine change:
   batched with every other sequence's) and each layer's attention call hands its rows to the
   sequence's own ``KVLayer`` (store, attend, let the methods act).
 
+Right after the prompt its cache goes to the KV tiers (when the engine has some) as a session file
+would hold it (:class:`CachedPrompt`): the same prompt with the same spec again (a retried request,
+another replica, a restarted engine) installs that cache into its blocks and skips the prompt pass,
+kvzip's reconstruction included.
+
 Memory: between steps the cache's tensors wait *in the sequence's blocks* (:mod:`.at_rest`: the
 tensors its storage parts own, packed into the blocks' bytes, their own memory given up), and are
 brought back by one gather when the sequence is scheduled; it holds as many blocks as they take, so
@@ -24,15 +29,17 @@ its real bytes like any other sequence's. Per-layer method state (a few numbers)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvopt.cache import attention
 from kvopt.cache.kv_cache import KVCache
+from kvopt.codec.session import cache_bytes, cache_from_bytes
 from kvopt.engine.kv.at_rest import Packing, Placement, park, restore
 from kvopt.engine.kv.base import cut_table, table_fill
+from kvopt.methods.spec import spec_text
 from kvopt.models.forward import cache_kwargs
 
 if TYPE_CHECKING:
@@ -46,11 +53,25 @@ def with_headroom(tokens: int) -> int:
     return tokens + tokens // 16 + 1
 
 
+@dataclass
+class CachedPrompt:
+    """A cache-backed sequence right after its prompt, as a KV tier keeps it: the cache saved in the session
+    format (:func:`~kvopt.codec.session.cache_bytes`: every part and method state a cache can hold, with the
+    model's fingerprint and checksums) and the logits its first token is sampled from."""
+
+    #: The saved cache ``[bytes]`` (uint8).
+    data: torch.Tensor
+    #: fp32 logits of the prompt's last position ``[vocab]``.
+    logits: torch.Tensor
+    #: ``data`` decoded on the model, by :meth:`CacheBackedKV.check_state` (None in the tier).
+    cache: KVCache | None = field(default=None, init=False, repr=False)
+
+
 class CacheBackedKV:
     """One sequence's own ``KVCache`` (None until its prompt is computed), at rest in its blocks between steps."""
 
     shares_blocks: ClassVar[bool] = False
-    keeps_prompt_state: ClassVar[bool] = False
+    keeps_prompt_state: ClassVar[bool] = True
 
     def __init__(self, methods: list, model, tokenizer, pool: PagedKVPool) -> None:
         self.methods = methods
@@ -97,7 +118,7 @@ class CacheBackedKV:
             plan.alone.append(AloneStep(self, seq, count))
             return False
         if self.parked is not None:
-            restore(self.parked, self.pool.chunks, self._rows(seq))
+            restore(self.parked, self.pool.chunks, self._rows(seq.block_table))
             self.parked = None
         plan.own.append(OwnCacheStep(self, row, row + count))
         return True
@@ -131,7 +152,7 @@ class CacheBackedKV:
         """Put the cache's tensors into its blocks and give back the blocks beyond them. When the step grew it past
         its blocks, it stays in memory of its own until the next step's allocation gives it enough (it is
         charged its packed bytes there either way)."""
-        packing = Packing.of([tensor for layer in self.cache.layers for tensor in _layer_tensors(layer)])
+        packing = _packing(self.cache)
         self.packed_bytes = packing.nbytes
         chunk_bytes = self.pool.chunks.shape[1]
         chunks = -(-packing.nbytes // chunk_bytes)
@@ -139,19 +160,56 @@ class CacheBackedKV:
         if keep > len(seq.block_table):
             return []
         if chunks:
-            self.parked = park(packing, self.pool.chunks, self._rows(seq, chunks))
+            self.parked = park(packing, self.pool.chunks, self._rows(seq.block_table, chunks))
         return cut_table(seq.block_table, keep)
 
-    def _rows(self, seq: Sequence, chunks: int | None = None) -> torch.Tensor:
-        """Pool chunk rows holding (or to hold) its packed bytes."""
+    def _rows(self, block_table: list[int], chunks: int | None = None) -> torch.Tensor:
+        """Pool chunk rows of ``block_table`` holding (or to hold) its packed bytes."""
         if chunks is None:
             chunks = -(-self.packed_bytes // self.pool.chunks.shape[1])
-        return self.pool.chunk_rows(seq.block_table, chunks)
+        return self.pool.chunk_rows(block_table, chunks)
+
+    # -- its prompt's state to and from a KV tier ---------------------------------------------------
+    @torch.inference_mode()
+    def snapshot(self, pool, block_table: list[int], code_table: list[int], logits: torch.Tensor) -> CachedPrompt:
+        """Its cache right after the prompt, saved as a session file holds it (brought back from its blocks first:
+        the next step would do so anyway)."""
+        if self.parked is not None:
+            restore(self.parked, pool.chunks, self._rows(block_table))
+            self.parked = None
+        data = torch.frombuffer(bytearray(cache_bytes(self.cache, self.model)), dtype=torch.uint8)
+        return CachedPrompt(data, logits)
+
+    def check_state(self, state: CachedPrompt, pool) -> None:
+        """Decode ``state``'s cache on the model (a damaged or foreign one raises the codec's error); raise
+        ValueError unless it is this sequence's spec (a decoded tier entry is installed only after this)."""
+        if not isinstance(state, CachedPrompt) or state.data.dtype != torch.uint8 or state.logits.dim() != 1:
+            raise ValueError("not a cached prompt's state")
+        cache, _ = cache_from_bytes(state.data.numpy().tobytes(), self.model, "the tier entry's cache")
+        if cache.spec != spec_text(self.methods):
+            raise ValueError(f"a cache of {cache.spec!r}, not {spec_text(self.methods)!r}")
+        state.cache = cache
+
+    def state_blocks(self, state: CachedPrompt) -> int:
+        """Blocks :meth:`install` needs: the decoded cache's tensors, packed."""
+        block_bytes = self.pool.chunks.shape[1] * self.pool.chunks_per_block
+        return -(-_packing(state.cache).nbytes // block_bytes)
+
+    @torch.inference_mode()
+    def install(self, state: CachedPrompt, pool, block_table: list[int]) -> tuple[list[int], list[int]]:
+        """Hold a checked ``state``'s cache, parked in ``block_table`` (:meth:`state_blocks` blocks); returns the
+        sequence's ``(block table, code table)``."""
+        self.cache = state.cache
+        packing = _packing(self.cache)
+        self.packed_bytes = packing.nbytes
+        self.parked = park(packing, pool.chunks, self._rows(block_table))
+        return block_table, []
 
 
-def _layer_tensors(layer) -> list[torch.Tensor]:
-    """The tensors a cache layer's dense store and parts hold for the sequence (per-model tables excluded)."""
-    return [*layer.store.tensors(), *(tensor for part in layer.parts for tensor in part.tensors())]
+def _packing(cache: KVCache) -> Packing:
+    """How the tensors the cache's dense stores and parts hold for the sequence pack (per-model tables excluded)."""
+    tensors = [[*layer.store.tensors(), *(tensor for part in layer.parts for tensor in part.tensors())] for layer in cache.layers]
+    return Packing.of([tensor for layer in tensors for tensor in layer])
 
 
 @dataclass(slots=True)
