@@ -131,28 +131,38 @@ def test_kvzip_needs_tokenizer(tiny_with_tokenizer):
         cache.prefill(model, torch.randint(100, 500, (1, 40)))
 
 
-def test_kivi_after_kvzip_quantizes_the_kept_rows_per_token(tiny_with_tokenizer):
-    """kvzip selects at full precision (kivi waits for its pass), then kivi packs the same rows: against a slow
-    reference (the rows quantized and dequantized by hand, attended as plain ragged rows), and for real bytes."""
+def min_max_4bit(groups: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit min-max quantized and dequantized along ``dim`` by hand (fp16 step and zero-point)."""
+    low, high = groups.amin(dim, keepdim=True), groups.amax(dim, keepdim=True)
+    step, zero = ((high - low) / 15).half().float(), low.half().float()
+    return torch.round((groups - zero) / step).clamp(0, 15) * step + zero
+
+
+def test_kivi_after_kvzip_quantizes_keys_per_channel_and_values_per_token(tiny_with_tokenizer):
+    """kvzip selects at full precision (kivi waits for its pass), then kivi packs the same rows as KIVI does: each
+    head's keys per channel over groups of 16 of its own tokens (the last group short), values per token. Against a
+    slow reference (the rows quantized and dequantized by hand, attended as plain ragged rows), and for real bytes."""
     model, tokenizer = tiny_with_tokenizer
     context = torch.randint(100, 5000, (1, 300), generator=torch.Generator().manual_seed(3))
     alone, both = kvopt.cache("kvzip:ratio=0.75", model), kvopt.cache("kvzip:ratio=0.75+kivi:bits=4,group=16", model)
     for cache in (alone, both):
         cache.prefill(model, context, tokenizer=tokenizer)
     query = torch.randn(1, model.config.num_attention_heads, 1, 8)
+    uneven = 0
     for plain, packed in zip(alone.layers, both.layers):
         rows, codes = plain.parts_of(RaggedKV)[0], packed.parts_of(RaggedKV)[0]
         assert torch.equal(rows.positions, codes.positions) and torch.equal(rows.offsets, codes.offsets)
-        by_hand = []
-        for held in (rows.keys, rows.values):  # per token, groups of 16 channels (at most), 4 bits, fp16 scale, zero
-            groups = held.unflatten(-1, (-1, min(16, held.shape[-1])))
-            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-            step, zero = ((high - low) / 15).half().float(), low.half().float()
-            by_hand.append((torch.round((groups - zero) / step).clamp(0, 15) * step + zero).flatten(-2))
-        reference = RaggedKV(*by_hand, rows.positions, rows.offsets, rows.batch, rows.kv_heads)
+        bounds = rows.offsets.tolist()
+        keys = []
+        for start, end in zip(bounds, bounds[1:]):  # per head: groups of 16 tokens, per channel
+            keys += [min_max_4bit(rows.keys[first : min(first + 16, end)], 0) for first in range(start, end, 16)]
+            uneven += (end - start) % 16 != 0
+        values = min_max_4bit(rows.values.unflatten(-1, (-1, min(16, rows.values.shape[-1]))), -1).flatten(-2)
+        reference = RaggedKV(torch.cat(keys), values, rows.positions, rows.offsets, rows.batch, rows.kv_heads)
         position = torch.tensor([300])
         for got, want in zip(codes.attend(query, position, 0.35), reference.attend(query, position, 0.35)):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert uneven  # some heads' last groups are short (padded in storage, left out of the ranges)
     assert both.nbytes() < 0.4 * alone.nbytes()
 
 

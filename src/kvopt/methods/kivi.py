@@ -13,9 +13,10 @@ Deviations: values follow the keys' schedule (KIVI keeps exactly the last R valu
 precision and quantizes one token per step). The full-precision part stays in the model's
 dtype. Sliding-window layers are left in full precision (their window bounds them).
 Compose after prefill-time eviction: ``snapkv:ratio=0.75+kivi:bits=4``. After head-wise budgets
-(``adakv``, ``kvzip``: heads keep different tokens) the kept rows are quantized per token, keys
-included (a head's tokens do not line up in groups with the other heads'); with kvzip, kivi waits
-for its reconstruction pass, which needs the prompt at full precision.
+(``adakv``, ``kvzip``: heads keep different tokens) the kept rows are quantized the same way, keys
+per channel over groups of each head's own kept tokens (padded to whole groups, since a head's
+tokens do not line up with the other heads'); with kvzip, kivi waits for its reconstruction pass,
+which needs the prompt at full precision.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class KIVI(Quantization):
         return phase == WAITING
 
     def _quantize_held(self, layer) -> None:
-        """Ragged rows that head-wise budgets left (adakv, kvzip) quantized per token; the dense store's oldest
-        whole groups as KIVI schedules them."""
+        """Ragged rows that head-wise budgets left (adakv, kvzip) quantized at once (keys per channel over each head's
+        tokens); the dense store's oldest whole groups as KIVI schedules them."""
         if layer.sliding_window is None and not any(m.owns_layer(layer.index) for m in layer.methods):
             for part in layer.parts_of(RaggedKV):
                 if isinstance(part.keys, torch.Tensor):
@@ -93,11 +94,13 @@ class KIVI(Quantization):
         self.quantize_oldest(layer, self.bits)
 
     def layer_bytes(self, kept_tokens: int, model, element_bytes: int, layer) -> int | None:
-        """Right after the prefill; behind head-wise budgets (ragged rows) every kept token is quantized per token
-        (one int32 position each per KV head), else :meth:`Quantization.layer_bytes`."""
+        """Right after the prefill; behind head-wise budgets (ragged rows) every kept token is quantized (one int32
+        position each per KV head; each head's keys padded to whole groups, counted as half a group per head), else
+        :meth:`Quantization.layer_bytes`."""
         if not any(storage(m) == "ragged" for m in layer.methods[: layer.methods.index(self)]):
             return super().layer_bytes(kept_tokens, model, element_bytes, layer)
-        heads = model.num_kv_heads
-        return packed_bytes(kept_tokens, heads, model.head_dim, self.bits, self.group, "token") + position_bytes(
+        heads, dim = model.num_kv_heads, model.head_dim
+        padding = heads * (self.group // 2) * dim * self.bits // 8
+        return packed_bytes(kept_tokens, heads, dim, self.bits, self.group, "channel") + padding + position_bytes(
             kept_tokens, heads
         )
