@@ -8,7 +8,11 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 
 * ``prefill``: a prompt of local real text at 4k and 8k tokens prefilled by ``full``, ``fastkv`` and ``snapkv`` at
   the same KV budget, each on its own (fastkv's prefill differs: nothing is replayed).
-* ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own.
+* ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own
+  (``--model qwen2.5-coder-0.5b``: at 4k on that model, rows tagged with it).
+* ``peak``: the KV bytes held at their highest while a 16k-token prompt of real text is prefilled, after every
+  write into any layer (``full`` and ``locret:budget=1024``, whose chunked prefill evicts as the prompt streams in);
+  run it with ``--model qwen2.5-coder-0.5b`` (the default model's context is 8k).
 * ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512 (also with its
   rows in 4 bits, ``+tokenquant:bits=4``), and ``snapkv`` keeping the bytes each unquantized rocketkv budget
   stores (summaries included); one recorded prefill replayed.
@@ -79,6 +83,10 @@ SMALL_LENGTHS = [1024]
 #: The query-agnostic methods' prefill cost measured on its own (``prefill`` step) at a longer prompt too.
 AGNOSTIC_COST = ["full", *(f"{m}:ratio=0.75" for m in CHEAP), "kvzip:ratio=0.75"]
 AGNOSTIC_COST_LENGTHS = [2048, 4096]
+#: The cost step's lengths on a second model (one length: its prefills take minutes on a CPU).
+OTHER_MODEL_COST_LENGTHS = [4096]
+#: A long prompt streamed into a bounded cache: the specs and the prompt's length of the ``peak`` step.
+PEAK, PEAK_LENGTH = ["full", "locret:budget=1024"], 16384
 
 
 def decode_methods(info, length: int = DECODE_LENGTH) -> list[str]:
@@ -142,22 +150,62 @@ def measure_prefill(model, tokenizer, repeats: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def measure_agnostic_cost(model, tokenizer, repeats: int) -> list[dict]:
+def measure_agnostic_cost(model, tokenizer, repeats: int, label: str = MODEL) -> list[dict]:
     """Prefill time of the query-agnostic methods, each prefilling on its own (reconstruction pass included)."""
     from kvopt.api import build_cache
 
     rows = []
-    for length in AGNOSTIC_COST_LENGTHS:
+    for length in AGNOSTIC_COST_LENGTHS if label == MODEL else OTHER_MODEL_COST_LENGTHS:
         ids = torch.tensor([prompt_ids(tokenizer, length)])
         for repeat in range(repeats):
             for spec in AGNOSTIC_COST:
                 cache = build_cache(spec, model)
                 began = time.perf_counter()
                 cache.prefill(model, ids, tokenizer=tokenizer)
-                rows.append({"method": spec, "length": length, "repeat": repeat,
+                rows.append({"method": spec, "length": length, "repeat": repeat, "model": label,
                              "prefill_s": round(time.perf_counter() - began, 3)})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+@torch.inference_mode()
+def measure_peak(model, tokenizer, label: str) -> list[dict]:
+    """KV bytes held at their highest while a :data:`PEAK_LENGTH`-token prompt is prefilled (read after every write
+    into any layer: a chunked prefill's bytes before each eviction included), and at the end, per spec."""
+    from kvopt.api import build_cache
+    from kvopt.eval.decoding import forward
+
+    from kvopt.models.info import ModelInfo
+
+    positions = ModelInfo.from_config(model.config).max_positions
+    if positions is not None and positions < PEAK_LENGTH:
+        raise SystemExit(f"step peak: {label} holds {positions} positions, the prompt {PEAK_LENGTH}; pass --model "
+                         "qwen2.5-coder-0.5b (32k)")  # fmt: skip
+    ids = prompt_ids(tokenizer, PEAK_LENGTH)
+    rows = []
+    for spec in PEAK:
+        cache = build_cache(spec, model)
+        peak = [0]
+        for layer in cache.layers:
+            layer.update = _watched(layer.update, cache, peak)
+        began = time.perf_counter()
+        forward(model, ids, cache, 0)
+        seconds, end = time.perf_counter() - began, cache.nbytes()
+        rows.append({"method": spec, "length": PEAK_LENGTH, "model": label, "kv_bytes_peak": max(peak[0], end),
+                     "kv_bytes_end": end, "prefill_s": round(seconds, 3)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _watched(update, cache, peak: list[int]):
+    """``update`` (a layer's write of new keys and values), noting the whole cache's bytes after each call."""
+
+    def watched(*args, **kwargs):
+        written = update(*args, **kwargs)
+        peak[0] = max(peak[0], cache.nbytes())
+        return written
+
+    return watched
 
 
 def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int = DECODE_LENGTH,
@@ -582,15 +630,40 @@ def _cost_part(by_step: dict) -> list[str]:
         "| length | method | prefill s | vs `full` |",
         "|---:|---|---:|---:|",
     ]
-    for length in AGNOSTIC_COST_LENGTHS:
-        full = _median([r for r in rows if r["length"] == length and r["method"] == "full"], "prefill_s")
-        for spec in AGNOSTIC_COST:
-            timed = [r for r in rows if r["length"] == length and r["method"] == spec]
-            if not timed:  # a method added since the step last ran
-                lines.append(f"| {length} | `{spec}` | not measured | – |")
-                continue
-            seconds = _median(timed, "prefill_s")
-            lines.append(f"| {length} | `{spec}` | {seconds:.2f} | {seconds / full:.2f}x |")
+    for label in dict.fromkeys(r.get("model", MODEL) for r in rows):
+        mine = [r for r in rows if r.get("model", MODEL) == label]
+        for length in sorted({r["length"] for r in mine}):
+            full = _median([r for r in mine if r["length"] == length and r["method"] == "full"], "prefill_s")
+            for spec in AGNOSTIC_COST:
+                timed = [r for r in mine if r["length"] == length and r["method"] == spec]
+                where = f"{length}" if label == MODEL else f"{length} ({label})"
+                if not timed:  # a method added since the step last ran
+                    lines.append(f"| {where} | `{spec}` | not measured | – |")
+                    continue
+                seconds = _median(timed, "prefill_s")
+                lines.append(f"| {where} | `{spec}` | {seconds:.2f} | {seconds / full:.2f}x |")
+    return [*lines, "", *_peak_part(by_step)]
+
+
+def _peak_part(by_step: dict) -> list[str]:
+    rows = by_step.get("peak", [])
+    if not rows:
+        return []
+    lines = [
+        f"A long prompt streamed into a bounded cache (step `peak`): KV bytes held at their highest while a "
+        f"{rows[0]['length']:,}-token prompt of local real text is prefilled in one call (read after every write "
+        "into any layer, so a chunked prefill's bytes before each eviction count), and at its end:",
+        "",
+        "| model | method | peak KV bytes | vs `full` | at the end | prefill s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for label in dict.fromkeys(r["model"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["model"] == label}
+        full = mine.get("full")
+        for spec, row in mine.items():
+            ratio = f"1/{full['kv_bytes_peak'] / row['kv_bytes_peak']:.1f}" if full and spec != "full" else "–"
+            lines.append(f"| {label} | `{spec}` | {row['kv_bytes_peak'] / 1e6:.1f} MB | {ratio} | "
+                         f"{row['kv_bytes_end'] / 1e6:.1f} MB | {row['prefill_s']:.1f} |")  # fmt: skip
     return [*lines, ""]
 
 
@@ -598,6 +671,8 @@ def _cost_part(by_step: dict) -> list[str]:
 
 
 DEFAULT_STEPS = "prefill,cost,decode,decode-batch,decode-qwen,profile,aware,stream,agnostic,small"
+#: Steps that take ``--model`` (each row names its model; a run replaces only its model's rows).
+MODEL_STEPS = {"cost", "peak"}
 
 
 def main() -> None:
@@ -608,17 +683,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences decoded together in step decode-batch")
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="prompts per task and length in the accuracy steps")
+    parser.add_argument("--model", default=None, help=f"a second model for the steps {', '.join(sorted(MODEL_STEPS))}")
     args = parser.parse_args()
+    steps = args.steps.split(",")
+    if args.model and not set(steps) <= MODEL_STEPS:
+        parser.error(f"--model applies to the steps {', '.join(sorted(MODEL_STEPS))} only")
     torch.set_num_threads(1)
     import kvopt
 
-    loaded = kvopt.load_model()
+    label = args.model or MODEL
+    loaded = kvopt.load_model(args.model)
     model, tokenizer = loaded
-    for step in args.steps.split(","):
+    for step in steps:
         if step == "prefill":
             new = measure_prefill(model, tokenizer, args.repeats)
         elif step == "cost":
-            new = measure_agnostic_cost(model, tokenizer, args.repeats)
+            new = measure_agnostic_cost(model, tokenizer, args.repeats, label)
+        elif step == "peak":
+            new = measure_peak(model, tokenizer, label)
         elif step == "decode":
             new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
         elif step == "decode-qwen":  # the longer-context model, where installed
@@ -632,8 +714,9 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
         old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-        # a batch size's rows replace that batch size's only
-        kept = [row for row in old if row["step"] != step or row.get("batch", args.batch) != args.batch]
+        # a batch size's rows replace that batch size's only, a model's that model's
+        replaced = lambda row: row.get("batch", args.batch) == args.batch and row.get("model", MODEL) == label  # noqa: E731
+        kept = [row for row in old if row["step"] != step or not replaced(row)]
         ROWS.parent.mkdir(parents=True, exist_ok=True)
         ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + stamp(new, step)))
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
