@@ -205,6 +205,53 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grid_rows(path: Path, methods: list[str]) -> list[dict]:
+    """The grid's raw rows of ``methods``, one per prompt (the first row of a prompt counts)."""
+    from kvopt.eval.runner import row_key
+
+    rows = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["method"] in methods:
+            rows.setdefault(row_key(row), {**row, "conditions": CONDITIONS})
+    return list(rows.values())
+
+
+def collect(model_name: str | None, rows_file: Path, work: Path) -> None:
+    """``rows_file`` from the grid's raw rows as they stand: summaries over the prompts run so far (the note says how
+    many of the plan's), the calibrations and decode rows of the last finished run where it had them."""
+    from kvopt.api import load_model
+    from kvopt.eval.runner import RESULTS_FILE
+    from kvopt.local_text import real_text
+
+    plan = json.loads((work / PLAN).read_text())
+    rows = grid_rows(work / RESULTS_FILE, plan["methods"])
+    old = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
+    model, _ = load_model(model_name)
+    kept = ("calibration_s", "model_bytes")
+    extras = {row["method"]: {k: row[k] for k in kept if k in row} for row in old if row.get("kind") == "summary"}
+    missing = [spec for spec in plan["methods"] if not extras.get(spec) and not spec.startswith("hf-")]
+    extras |= calibrations(model, missing)  # cached calibrations load; others are fitted now
+    decode = [row for row in old if row.get("kind") == "decode"]
+    scored = [row for row in rows if row["task"] != "ppl"]
+    counts = {spec: sum(row["method"] == spec for row in scored) for spec in plan["methods"]}
+    planned = len(plan["tasks"]) * len(plan["lengths"]) * plan["prompts_per_cell"]
+    previous = next((row for row in old if row.get("kind") == "meta"), {})
+    note = (f"Cut short: {min(counts.values())} to {max(counts.values())} of the {planned} planned prompts per "
+            "method so far (resumable with the same command).")  # fmt: skip
+    meta = {
+        "kind": "meta", "model": plan["model"], "tasks": sorted({r["task"] for r in scored}),
+        "lengths": sorted({r["length"] for r in scored}), "prompts_per_cell": plan["prompts_per_cell"],
+        "ppl_tokens": previous.get("ppl_tokens", 4096), "ppl_chunk": previous.get("ppl_chunk", 32),
+        "text_source": real_text()[1].split(":")[0], "conditions": CONDITIONS,
+        "decode_length": decode[0]["length"] if decode else None, "eval_s": None,
+        "notes": note if min(counts.values()) < planned else "", "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    out = [meta, *rows, *summaries(rows, model, extras), *decode]
+    rows_file.write_text("".join(json.dumps(row) + "\n" for row in out))
+    print(render(out))
+
+
 def paths_for(model: str | None) -> tuple[Path, Path]:
     """(rows file, grid folder) of a model: the default model's at the top of the results, a second model's in its
     own folder (``benchmarks/results/<name>/``), where ``run.py`` composes its part of the report."""
@@ -213,7 +260,7 @@ def paths_for(model: str | None) -> tuple[Path, Path]:
 
 
 def main() -> None:
-    from kvopt.eval.runner import RESULTS_FILE, EvalGrid, row_key, run_eval
+    from kvopt.eval.runner import RESULTS_FILE, EvalGrid, run_eval
     from kvopt.api import load_model
     from kvopt.local_text import real_text
 
@@ -231,10 +278,16 @@ def main() -> None:
     parser.add_argument("--decode-repeats", type=int, default=2)
     parser.add_argument("--model", default=None, help="a second model (e.g. qwen2.5-coder-0.5b): rows in its own folder")
     parser.add_argument("--work", type=Path, default=None, help="folder of the resumable raw evaluation rows")
+    parser.add_argument("--collect", action="store_true",
+                        help="write the rows file from the grid's raw rows as they stand (a cut-short grid), "
+                             "running nothing; the last finished run's decode rows are kept")
     args = parser.parse_args()
     rows_file, work = paths_for(args.model)
     args.work = args.work or work
     torch.set_num_threads(1)
+    if args.collect:
+        collect(args.model, rows_file, args.work)
+        return
     methods = args.methods.split(",")
     notes = [f"Not run: {reason}." for reason in map(missing, methods) if reason] + [args.note]
     methods = [parse_contender(spec).spec for spec in methods if not missing(spec)]  # as rows name them
@@ -253,12 +306,7 @@ def main() -> None:
     started = time.perf_counter()
     path = run_eval(grid, args.work, model_name=args.model, loaded=(model, tokenizer), log=print)
     eval_s = time.perf_counter() - started
-    rows = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        if row["method"] in methods:
-            rows.setdefault(row_key(row), {**row, "conditions": CONDITIONS})  # the first row of a prompt counts
-    rows = list(rows.values())
+    rows = grid_rows(Path(path), methods)
     compared = [spec for spec in methods if spec in {parse_contender(s).spec for s in DECODE_METHODS if not missing(s)}]
     decode = decode_speed(model, tokenizer, compared, args.decode_length, args.decode_tokens, args.decode_repeats)
     meta = {
