@@ -191,3 +191,22 @@ def test_a_replica_sharing_redis_skips_the_prefill_of_a_seen_compressed_prompt(m
         assert warm == cold and metrics["cached"] == len(PROMPT) and metrics["kv_tiers"]["redis"]["hits"] == 1
     finally:
         server.stop()
+
+
+def test_a_state_the_codec_cannot_store_leaves_the_request_running(model, tmp_path, monkeypatch, caplog):
+    """The tiers are an optimisation: a method state the codec's walker refuses is logged and counted, never a failed
+    request, and the prompt is computed next time."""
+    import kvopt.engine.kv.cache_backed as cache_backed
+    from kvopt.errors import CacheUsageError
+
+    def refuse(*args, **kwargs):
+        raise CacheUsageError("cannot save a cache holding a Widget in its state")
+
+    monkeypatch.setattr(cache_backed, "cache_bytes", refuse)
+    spec, tiers = "rocketkv:ratio=0.5", (f"disk:{tmp_path}:10MB",)
+    for _ in range(2):
+        tokens, metrics = serve(model, tiers, PROMPT, kv_method=spec)
+        assert tokens == generate_with_cache(model, spec, PROMPT, len(tokens))
+        assert metrics["cached"] == 0 and metrics["kv_tiers"]["disk"]["stores"] == 0
+        assert metrics["kv_tiers"]["disk"]["errors"] == 1
+    assert "cannot keep rocketkv" in caplog.text and "Widget" in caplog.text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,9 +45,11 @@ from kvopt.codec.errors import CacheFileError
 from kvopt.engine.block_manager import BlockManager
 from kvopt.engine.config import EngineConfigError, parse_memory
 from kvopt.engine.sequence import Sequence
+from kvopt.errors import CacheUsageError
 from kvopt.methods.spec import spec_text
 from kvopt.tiers import DiskTier, KVTier, MemoryTier, RedisTier, TierChain
 
+logger = logging.getLogger("kvopt.engine")
 #: Keys of blocks this process wrote or restored, remembered so they are not written again (bounded).
 REMEMBERED = 1 << 17
 DEFAULT_DISK = "10GB"
@@ -192,8 +195,13 @@ class KVOffload:
         if key in self._known:
             return
         self._remember(key)
-        state = seq.kv.snapshot(self.pool, seq.block_table, seq.code_table, logits)
-        snapshot = snapshot_state(state, self._modules)  # copies now: the sequence goes on changing its state
+        try:
+            state = seq.kv.snapshot(self.pool, seq.block_table, seq.code_table, logits)
+            snapshot = snapshot_state(state, self._modules)  # copies now: the sequence goes on changing its state
+        except CacheUsageError as error:  # a method state the codec cannot store: the request goes on, unstored
+            self.chain.tiers[0].stats.errors += 1
+            logger.warning("the KV tiers cannot keep %s's prompt state (%s); it is computed each time", _spec(seq), error)
+            return
         meta = {"spec": _spec(seq), "tokens": seq.token_ids[: seq.num_prompt_tokens]}
         self.chain.put_later(key, lambda: encode_state(snapshot, self.fingerprint, meta))
 
