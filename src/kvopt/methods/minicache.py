@@ -13,6 +13,13 @@ Merging happens after the prefill and then whenever ``residual`` new tokens are 
 layers. Composes with KIVI: ``minicache+kivi:bits=4`` stores the shared directions
 KIVI-quantized (whole groups) and quantizes the unmerged layers as usual.
 
+Measured: the premise does not hold on the small models here. From mid-depth on, adjacent layers'
+keys and values are nearly orthogonal token by token (mean cosine within +-0.21 for every pair of
+SmolLM2-135M's layers 15-28 and Qwen2.5-Coder-0.5B's 12-23, 1,024 tokens of prose; the paper
+reports high similarity on 7B+ models), so the shared direction loses both: ``minicache+kivi``
+keeps 0% [0-18] of ``full``'s answers on the default model (passkey and niah at 4k, 24 prompts,
+query-agnostic) and ``minicache`` alone answers none of 4 such prompts even from ``start=0.75``.
+
 Deviations: the retention rule is KVCache-Factory's top fraction by angle (the paper's rule is
 a threshold between the smallest and largest angle); layers keep up to ``residual`` recent
 tokens unmerged (the paper merges every decoded token). Pairs need both layers to hold the
