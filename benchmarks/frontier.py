@@ -392,6 +392,12 @@ def accuracy(step: str, loaded, samples: int) -> list[dict]:
 # -- the section ------------------------------------------------------------------------------------------------
 
 
+def others(rows: list[dict], step: str, batch: int, label: str) -> list[dict]:
+    """The rows a new run of ``step`` leaves: other steps', and its own of other batch sizes or models."""
+    return [row for row in rows if row["step"] != step or row.get("batch", batch) != batch
+            or row.get("model", MODEL) != label]  # fmt: skip
+
+
 def rows_by_step(rows: list[dict]) -> dict[str, list[dict]]:
     by_step: dict[str, list[dict]] = {}
     for row in rows:
@@ -714,9 +720,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
         old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-        # a batch size's rows replace that batch size's only, a model's that model's
-        replaced = lambda row: row.get("batch", args.batch) == args.batch and row.get("model", MODEL) == label  # noqa: E731
-        kept = [row for row in old if row["step"] != step or not replaced(row)]
+        kept = others(old, step, args.batch, label)
         ROWS.parent.mkdir(parents=True, exist_ok=True)
         ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + stamp(new, step)))
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
