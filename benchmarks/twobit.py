@@ -174,7 +174,7 @@ def render(rows: list[dict]) -> str:
         "",
         (
             "| method | accuracy | kept of `full`'s | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | held | per model | "
-            f"calibration | decode tok/s @ {meta.get('decode_length', '-')} |"
+            f"calibration | decode tok/s @ {meta.get('decode_length') or '-'} |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -199,9 +199,10 @@ def render(rows: list[dict]) -> str:
             f"{model_bytes} | {calibration} | {speed} |"
         )
     cells = sorted({key for row in summary.values() for key in row["cells"]})
-    lines += ["", "| method | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
-    for spec, row in summary.items():
-        lines.append(f"| `{spec}` | " + " | ".join(f"{row['cells'].get(key, 0):.0%}" for key in cells) + " |")
+    if cells:  # a grid cut short before its first prompt has perplexity rows only
+        lines += ["", "| method | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
+        for spec, row in summary.items():
+            lines.append(f"| `{spec}` | " + " | ".join(f"{row['cells'].get(key, 0):.0%}" for key in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
