@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -99,6 +99,9 @@ class Sessions:
 
 class EpisodicKV(CacheBackedKV):
     """A session's turn: its cache starts from the episode its question matches (consolidated first when due)."""
+
+    #: Its state depends on the session's episodes, not only on the spec and the tokens a tier key holds.
+    keeps_prompt_state: ClassVar[bool] = False
 
     def __init__(self, session: Session, methods: list, model, tokenizer, pool: PagedKVPool) -> None:
         super().__init__(methods, model, tokenizer, pool)

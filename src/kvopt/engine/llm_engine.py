@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -105,6 +106,9 @@ class BlendedKV(CacheBackedKV):
     """A sequence whose prompt is reused chunks blended with new text (:func:`kvopt.chunks.blend`) into its own cache,
     then served as any cache-backed sequence; recomputed after a preemption, it blends again with its output so far
     as more new text."""
+
+    #: Its state depends on how the chunks were blended, not only on the spec and the tokens a tier key holds.
+    keeps_prompt_state: ClassVar[bool] = False
 
     def __init__(self, pieces: list, store: ChunkStore, settings: dict, model, tokenizer, pool: PagedKVPool) -> None:
         super().__init__(parse(store.method), model, tokenizer, pool)
