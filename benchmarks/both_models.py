@@ -203,6 +203,23 @@ def two_bit_keeps(folder: Path) -> Finding:
     return Finding(text, pooled.kept >= 0.8 and prose.kept >= 0.8)
 
 
+def locret_keeps(length: int) -> Callable[[Path], Finding]:
+    """Locret's trained heads against full (and kvzip, on the same prompts) at 75% removed, query-agnostic."""
+
+    def measure(folder: Path) -> Finding:
+        scores = {spec: [r for r in found if r["length"] == length] for spec, found in scored_rows(folder).items()}
+        ours = retention(scores.get("locret:ratio=0.75", []), scores.get("full", []))
+        if ours is None:
+            return Finding("not measured", None)
+        prompt = lambda r: (r["task"], r["depth"], r["sample"])  # noqa: E731
+        prompts = {prompt(r) for r in scores["locret:ratio=0.75"]}
+        kvzip = retention([r for r in scores.get("kvzip:ratio=0.75", []) if prompt(r) in prompts], scores["full"])
+        beside = f"; kvzip {kvzip.cell()} on the same prompts" if kvzip else ""
+        return Finding(f"locret kept {ours.with_accuracy()}{beside}, {ours.prompts} prompts", ours.kept >= 0.9)
+
+    return measure
+
+
 #: (headline, how it is measured on one model's folder).
 HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
     ("`full` is lossless: the same greedy tokens and logits as HF's DynamicCache", lossless),
@@ -219,6 +236,8 @@ HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
      streaming_perplexity),
     ("A 2-bit recipe keeps >= 80% of full's answers, prose needles included (passkey, niah, niah_multivalue, "
      "prose_needle, prose_multikey; query-agnostic)", two_bit_keeps),
+    ("Locret's trained retaining heads keep >= 90% of full's answers at 75% removed (4k, query-agnostic)",
+     locret_keeps(4096)),
 ]
 
 

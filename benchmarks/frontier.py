@@ -32,6 +32,16 @@ Steps (one torch thread each; timings interleaved method by method within a repe
   length: accuracy, the share of full's answers kept, and the prefill seconds (the shared lossless prefill plus
   each method's own work).
 * ``small``: the same at 1k tokens and 90% removed (about 100 tokens kept) for ``surprisal``, ``kvzip``, ``tova``.
+* ``train``: what Locret's retaining heads cost to train for the model (``--model`` for the second one): the report
+  kept with the cached heads (trained now if there are none, as ``kvopt train locret`` does).
+
+Locret against the query-agnostic contenders at 4k and 8k on both models comes from the evaluation grid's own rows
+(``benchmarks/results/eval.jsonl`` and the second model's), on the prompts the locret grid ran::
+
+    kvopt eval --task passkey,niah,niah_multivalue --lengths 4096 --depths 1 --samples 8 --out benchmarks/results
+        --methods full,locret:ratio=0.75,locret:ratio=0.9,kvzip:ratio=0.75,kvzip:ratio=0.9,shallowzip:ratio=0.75,
+                  snapkv:ratio=0.75,tova:ratio=0.75,kvpress:tova:ratio=0.75  (one line; with --model
+        qwen2.5-coder-0.5b, --out benchmarks/results/qwen2.5-coder-0.5b)
 
 Rows: benchmarks/results/frontier.jsonl, each tagged with its ``step``. The accuracy steps run through the
 evaluation harness, whose resumable working files live under results/frontier/<step>/ (ignored); their rows
@@ -87,6 +97,15 @@ AGNOSTIC_COST_LENGTHS = [2048, 4096]
 OTHER_MODEL_COST_LENGTHS = [4096]
 #: A long prompt streamed into a bounded cache: the specs and the prompt's length of the ``peak`` step.
 PEAK, PEAK_LENGTH = ["full", "locret:budget=1024"], 16384
+#: Locret (issue 39) and the query-agnostic contenders it is judged against, from each model's evaluation rows;
+#: kvpress's best press at 75% removed joins each table.
+LEARNED = ["full", "locret:ratio=0.75", "locret:ratio=0.9", "kvzip:ratio=0.75", "kvzip:ratio=0.9",
+           "shallowzip:ratio=0.75", "snapkv:ratio=0.75", "tova:ratio=0.75"]  # fmt: skip
+LEARNED_LENGTHS = [4096, 8192]
+EVAL_ROWS = {MODEL: ROOT / "benchmarks" / "results" / "eval.jsonl",
+             QWEN: ROOT / "benchmarks" / "results" / QWEN / "eval.jsonl"}  # fmt: skip
+#: Issue 39's bar on the second model: kept share at 75% removed, prefill against full's, peak against full's.
+LEARNED_TARGET = {"kept": 0.90, "prefill": 1.2, "peak": 1 / 8}
 
 
 def decode_methods(info, length: int = DECODE_LENGTH) -> list[str]:
@@ -206,6 +225,17 @@ def _watched(update, cache, peak: list[int]):
         return written
 
     return watched
+
+
+def measure_training(model, label: str) -> list[dict]:
+    """The training report kept with the model's cached retaining heads (trained now when there are none)."""
+    from dataclasses import asdict
+
+    from kvopt.api import local_prose
+    from kvopt.methods.locret_heads import cached_or_trained
+
+    trained = cached_or_trained(model, local_prose, print)
+    return [{"model": label, **asdict(trained.report)}]
 
 
 def measure_decode(model, tokenizer, repeats: int, new_tokens: int, length: int = DECODE_LENGTH,
@@ -420,7 +450,7 @@ def render(rows: list[dict]) -> str:
         f"answers the method also gives, on the same prompts, with its 95% Wilson interval. {KEPT_RULE}",
         "",
     ]
-    for part in (_prefill_part, _decode_part, _profile_part, _stream_part, _agnostic_part):
+    for part in (_prefill_part, _decode_part, _profile_part, _stream_part, _agnostic_part, _learned_part):
         lines += part(by_step)
     return "\n".join(lines) + "\n"
 
@@ -673,12 +703,118 @@ def _peak_part(by_step: dict) -> list[str]:
     return [*lines, ""]
 
 
+def evaluation_rows() -> dict[str, list[dict]]:
+    """Each model's query-agnostic evaluation rows on the retrieval tasks (the grid the locret tables read)."""
+    rows = {}
+    for label, path in EVAL_ROWS.items():
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows[label] = [row for row in map(json.loads, filter(None, lines))
+                       if row.get("mode") == "query_agnostic" and row["task"] in TASKS]  # fmt: skip
+    return rows
+
+
+def _learned_part(by_step: dict, evaluated: dict[str, list[dict]] | None = None) -> list[str]:
+    """Locret against the contenders per model and length, on the prompts its grid ran, with the prefill ratio
+    of the ``cost`` step, the training cost and issue 39's targets judged from the rows."""
+    evaluated = evaluation_rows() if evaluated is None else evaluated
+    lines = [
+        "### Locret's trained heads against the query-agnostic methods, both models",
+        "",
+        f"{', '.join(TASKS)}, query-agnostic, on the prompts `locret:ratio=0.75` ran at each length (the evaluation "
+        "grid's rows; the command is in `benchmarks/frontier.py`'s docstring); each method paired with `full` on "
+        "those prompts. kvpress's best press at 75% removed (the highest kept share) joins each table. Prefill: the "
+        "`cost` step's median against `full`'s on the same model and length, where it ran.",
+        "",
+    ]
+    verdicts, missing = [], []
+    for label, rows in evaluated.items():
+        for length in LEARNED_LENGTHS:
+            table, verdict = _learned_table(by_step, label, length, [r for r in rows if r["length"] == length])
+            if not table:
+                missing.append(f"{label} at {length}")
+                continue
+            lines += [f"{label}, {length} tokens:", "", *table, ""]
+            verdicts += verdict
+    if len(missing) == len(evaluated) * len(LEARNED_LENGTHS):
+        return []
+    if missing:
+        lines += [f"Not measured yet: {', '.join(missing)}.", ""]
+    trained = by_step.get("train", [])
+    if trained:
+        lines += ["Training (step `train`, the report kept with the cached heads):", "",
+                  "| model | seconds | tokens | sequences | validation loss | heads | text |",
+                  "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        lines += [f"| {r['model']} | {r['seconds']:.0f} | {r['tokens']:,} | {r['sequences']} | "
+                  f"{r['validation_loss']:.3f} | {r['head_bytes'] / 1e6:.1f} MB | {r['text_source']} |"
+                  for r in trained]  # fmt: skip
+        lines.append("")
+    return [*lines, *verdicts, *_peak_verdict(by_step)]
+
+
+def _learned_table(by_step: dict, label: str, length: int, rows: list[dict]) -> tuple[list[str], list[str]]:
+    """The table for one model and length (empty when locret has no rows there) and the target's verdict line."""
+    from kvopt.eval.report import retention
+
+    prompt = lambda r: (r["task"], r["depth"], r["sample"])  # noqa: E731
+    ran = {prompt(r) for r in rows if r["method"] == "locret:ratio=0.75"}
+    rows = [r for r in rows if prompt(r) in ran]
+    full = [r for r in rows if r["method"] == "full"]
+    if not ran or not full:
+        return [], []
+    groups = per_method(rows)
+    presses = {spec: retention(group, full) for spec, group in groups.items()
+               if spec.startswith("kvpress:") and spec.endswith(":ratio=0.75")}  # fmt: skip
+    best_press = max((spec for spec in presses if presses[spec]), key=lambda spec: presses[spec].kept, default=None)
+    table = ["| method | prompts | accuracy | kept of `full`'s | prefill vs `full`'s |", "|---|---:|---|---|---:|"]
+    for spec in [*LEARNED, *([best_press] if best_press else [])]:
+        group = groups.get(spec, [])
+        if not group:
+            table.append(f"| `{spec}` | 0 | not measured | – | – |")
+            continue
+        kept = _kept(group, full) if spec != "full" else ""
+        ratio = _prefill_ratio(by_step, label, length, spec)
+        table.append(f"| `{spec}` | {len(group)} | {_accuracy(group)} | {kept} | {ratio} |")
+    verdict = []
+    if label != MODEL and groups.get("locret:ratio=0.75"):
+        kept = retention(groups["locret:ratio=0.75"], full)
+        ratio = _prefill_ratio(by_step, label, length, "locret:ratio=0.75")
+        cheap = ratio.endswith("x") and float(ratio[:-1]) <= LEARNED_TARGET["prefill"]
+        met = kept is not None and kept.kept >= LEARNED_TARGET["kept"] and cheap
+        verdict.append(
+            f"Target on {label} at {length} tokens (>= {LEARNED_TARGET['kept']:.0%} of `full`'s answers kept at 75% "
+            f"removed, prefill <= {LEARNED_TARGET['prefill']}x `full`'s): `locret:ratio=0.75` kept "
+            f"{kept.cell() if kept else 'none'} at {ratio} `full`'s prefill: **{'met' if met else 'not met'}**."
+        )  # fmt: skip
+        verdict.append("")
+    return table, verdict
+
+
+def _prefill_ratio(by_step: dict, label: str, length: int, spec: str) -> str:
+    """The ``cost`` step's median prefill of ``spec`` over ``full``'s (same model and length), or "–"."""
+    timed = [r for r in by_step.get("cost", []) if r.get("model", MODEL) == label and r["length"] == length]
+    own, full = ([r for r in timed if r["method"] == name] for name in (spec, "full"))
+    return f"{_median(own, 'prefill_s') / _median(full, 'prefill_s'):.2f}x" if own and full else "–"
+
+
+def _peak_verdict(by_step: dict) -> list[str]:
+    """Issue 39's memory bar: a streamed 16k prompt's peak under ``locret:budget=1024`` against ``full``'s."""
+    lines = []
+    for label in dict.fromkeys(r["model"] for r in by_step.get("peak", [])):
+        mine = {r["method"]: r["kv_bytes_peak"] for r in by_step["peak"] if r["model"] == label}
+        if "full" in mine and "locret:budget=1024" in mine:
+            share = mine["locret:budget=1024"] / mine["full"]
+            met = share <= LEARNED_TARGET["peak"]
+            lines += [f"Target on {label}: a 16k prompt's peak under `locret:budget=1024` <= 1/8 of `full`'s: "
+                      f"1/{1 / share:.1f} (step `peak` above): **{'met' if met else 'not met'}**.", ""]  # fmt: skip
+    return lines
+
+
 # -- main -------------------------------------------------------------------------------------------------------
 
 
 DEFAULT_STEPS = "prefill,cost,decode,decode-batch,decode-qwen,profile,aware,stream,agnostic,small"
 #: Steps that take ``--model`` (each row names its model; a run replaces only its model's rows).
-MODEL_STEPS = {"cost", "peak"}
+MODEL_STEPS = {"cost", "peak", "train"}
 
 
 def main() -> None:
@@ -707,6 +843,8 @@ def main() -> None:
             new = measure_agnostic_cost(model, tokenizer, args.repeats, label)
         elif step == "peak":
             new = measure_peak(model, tokenizer, label)
+        elif step == "train":
+            new = measure_training(model, label)
         elif step == "decode":
             new = measure_decode(model, tokenizer, args.repeats, args.new_tokens)
         elif step == "decode-qwen":  # the longer-context model, where installed

@@ -172,3 +172,17 @@ def test_two_bit_claim_waits_for_every_planned_cell_then_needs_the_prose_share_t
           + cell("kivi:bits=2", "prose_needle", [1, 1, 1, 1])[3:] + cell("kivi:bits=2", "passkey", [1, 1, 1, 1])[3:]
           + cell("aquakv", "prose_needle", [1, 1, 0, 0])[2:])  # fmt: skip
     assert both_models.two_bit_keeps(tmp_path).holds is True
+
+
+def test_locret_claim_pairs_on_its_own_prompts_at_its_length_and_needs_nine_tenths(tmp_path):
+    rows = [task_row("full", sample, 1.0) for sample in range(12)]
+    rows += [task_row("locret:ratio=0.75", sample, float(sample != 0)) for sample in range(10)]  # 9 of 10
+    rows += [task_row("kvzip:ratio=0.75", sample, 1.0) for sample in range(12)]  # 2 prompts locret did not run
+    rows += [task_row("locret:ratio=0.75", sample, 0.0, length=8192) for sample in range(10)]  # another length
+    write(tmp_path, both_models.EVAL, rows)
+    finding = both_models.locret_keeps(4096)(tmp_path)
+    assert finding.holds is True
+    assert finding.text.startswith("locret kept 90% [60–98] of 10") and "kvzip 100% [72–100] of 10" in finding.text
+    write(tmp_path, both_models.EVAL, [*rows[:12], *(task_row("locret:ratio=0.75", s, float(s > 1)) for s in range(10))])
+    assert both_models.locret_keeps(4096)(tmp_path).holds is False
+    assert both_models.locret_keeps(8192)(tmp_path).holds is None

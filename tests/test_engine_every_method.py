@@ -165,3 +165,16 @@ def test_own_cache_waits_in_its_blocks(models, tokenizer):
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "shallowzip:ratio=0.5", "epicache:ratio=0.5"])
+def test_a_method_that_needs_the_tokenizer_is_refused_by_an_engine_without_one(spec, models):
+    """Refused when the request arrives, with the fix (not failed mid-prompt); a lossless request beside it runs."""
+    llm = LLM(copy.deepcopy(models["llama"]), kv_memory="4MB")
+    refused, served = llm.generate(
+        prompts((90, 60)), [SamplingParams(max_tokens=2, kv_method=spec), GREEDY], use_tqdm=False
+    )
+    assert refused.error.startswith(f"{spec.split(':')[0]} needs the model's tokenizer")
+    assert "pass tokenizer= to kvopt.LLM" in refused.error and refused.outputs[0].token_ids == []
+    assert served.error is None and len(served.outputs[0].token_ids) == NEW_TOKENS
+    assert_pool_empty(llm)

@@ -39,3 +39,40 @@ def test_a_run_on_one_model_replaces_only_that_models_rows_of_its_step():
     old = [cost("full", 30.0), cost("full", 40.0, model=QWEN), {"step": "decode", "method": "full", "batch": 4}]
     assert frontier.others(old, "cost", 4, QWEN) == [old[0], old[2]]
     assert frontier.others(old, "cost", 4, frontier.MODEL) == [old[1], old[2]]
+
+
+def answered(method: str, scores: list[float], length: int = 4096) -> list[dict]:
+    return [{"task": "passkey", "depth": 0.5, "sample": index, "length": length, "mode": "query_agnostic",
+             "method": method, "score": score} for index, score in enumerate(scores)]  # fmt: skip
+
+
+def test_locret_tables_pair_on_locrets_prompts_pick_the_best_press_and_judge_the_target():
+    evaluated = {
+        frontier.MODEL: [],
+        QWEN: [
+            *answered("full", [1, 1, 1, 1, 0, 1]),  # the sixth prompt: not one locret ran, so left out
+            *answered("locret:ratio=0.75", [1, 1, 1, 1, 1]),
+            *answered("kvzip:ratio=0.75", [1, 1, 0, 1, 0]),
+            *answered("kvpress:tova:ratio=0.75", [1, 0, 0, 0, 0]),
+            *answered("kvpress:snapkv:ratio=0.75", [1, 1, 0, 0, 0]),
+        ],
+    }
+    timed = [cost("full", 30.0, model=QWEN), cost("locret:ratio=0.75", 33.0, model=QWEN)]
+    lines = frontier._learned_part(frontier.rows_by_step(timed), evaluated)
+    assert "| `locret:ratio=0.75` | 5 | 100% [57–100] (n=5) | 100% [51–100] of 4 | 1.10x |" in lines
+    assert "| `kvzip:ratio=0.75` | 5 | 60% [23–88] (n=5) | 75% [30–95] of 4 | – |" in lines
+    assert "| `tova:ratio=0.75` | 0 | not measured | – | – |" in lines
+    assert any(line.startswith("| `kvpress:snapkv:ratio=0.75` | 5 |") for line in lines)
+    assert not any("kvpress:tova" in line for line in lines)
+    assert any("at 1.10x `full`'s prefill: **met**" in line for line in lines)
+    assert any(line.startswith("Not measured yet:") and f"{QWEN} at 8192" in line for line in lines)
+
+
+def test_locret_target_is_not_met_when_its_prefill_was_not_timed_or_it_keeps_too_little():
+    evaluated = {QWEN: [*answered("full", [1] * 10), *answered("locret:ratio=0.75", [1] * 8 + [0, 0])]}
+    timed = [cost("full", 30.0, model=QWEN), cost("locret:ratio=0.75", 31.0, model=QWEN)]
+    (verdict,) = [line for line in frontier._learned_part(frontier.rows_by_step(timed), evaluated) if "Target" in line]
+    assert "kept 80% [49–94] of 10 at 1.03x" in verdict and verdict.endswith("**not met**.")
+    evaluated = {QWEN: [*answered("full", [1] * 10), *answered("locret:ratio=0.75", [1] * 10)]}
+    (verdict,) = [line for line in frontier._learned_part({}, evaluated) if "Target" in line]
+    assert "at – `full`'s prefill: **not met**" in verdict

@@ -341,6 +341,11 @@ class LLMEngine:
             return None
         for method in methods:
             method.check_model(self.info)
+            if method.needs_tokenizer and self.tokenizer is None:
+                raise CacheUsageError(
+                    f"{method.name} needs the model's tokenizer, and this engine has none: pass tokenizer= to kvopt.LLM "
+                    "(or load the model from a folder that has one)"
+                )
             method.prepare(self.model, local_prose)
         block_size = self.config.block_size
         fits_blocks = all(method.runs_in_engine for method in methods) and all(

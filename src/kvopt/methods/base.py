@@ -64,6 +64,9 @@ class Method:
     #: True when the method reads the prompt's final hidden states (``cache.prompt_states``) in
     #: :meth:`after_prefill`, which :meth:`KVCache.prefill` then captures during the forward.
     reads_prompt_states: ClassVar[bool] = False
+    #: True when :meth:`after_prefill` needs the tokenizer (KVzip's reconstruction prompt, EpiCache's turns):
+    #: an engine without one refuses the spec when a request asks for it, rather than failing mid-prompt.
+    needs_tokenizer: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -91,6 +91,7 @@ class EpiCache(LayerBudgets):
     name = "epicache"
     summary = "episodic caches: history clustered into topics, question routed to its episode's cache (EpiCache)"
     needs_prefill_pass = True
+    needs_tokenizer = True
     runs_in_engine = False  # the whole prompt and the tokenizer are needed before anything is kept
 
     episodes: int = field(default=4, metadata={"help": "topics the history is clustered into"})

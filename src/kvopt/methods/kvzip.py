@@ -47,6 +47,7 @@ class KVzip(Eviction):
     name = "kvzip"
     summary = "query-agnostic: score tokens by attention while the model repeats the context (KVzip)"
     needs_prefill_pass = True
+    needs_tokenizer = True
     runs_in_engine = False  # one ranking over all layers: layers and heads keep different numbers of tokens
 
     window: int = field(default=8, metadata={"help": "most recent tokens always kept, counted in the budget"})

@@ -65,6 +65,8 @@ class CachedPrompt:
     logits: torch.Tensor
     #: ``data`` decoded on the model, by :meth:`CacheBackedKV.check_state` (None in the tier).
     cache: KVCache | None = field(default=None, init=False, repr=False)
+    #: How the decoded cache's tensors pack into blocks (set with ``cache``).
+    packing: Packing | None = field(default=None, init=False, repr=False)
 
 
 class CacheBackedKV:
@@ -188,21 +190,20 @@ class CacheBackedKV:
         cache, _ = cache_from_bytes(state.data.numpy().tobytes(), self.model, "the tier entry's cache")
         if cache.spec != spec_text(self.methods):
             raise ValueError(f"a cache of {cache.spec!r}, not {spec_text(self.methods)!r}")
-        state.cache = cache
+        state.cache, state.packing = cache, _packing(cache)
 
     def state_blocks(self, state: CachedPrompt) -> int:
         """Blocks :meth:`install` needs: the decoded cache's tensors, packed."""
         block_bytes = self.pool.chunks.shape[1] * self.pool.chunks_per_block
-        return -(-_packing(state.cache).nbytes // block_bytes)
+        return -(-state.packing.nbytes // block_bytes)
 
     @torch.inference_mode()
     def install(self, state: CachedPrompt, pool, block_table: list[int]) -> tuple[list[int], list[int]]:
         """Hold a checked ``state``'s cache, parked in ``block_table`` (:meth:`state_blocks` blocks); returns the
         sequence's ``(block table, code table)``."""
         self.cache = state.cache
-        packing = _packing(self.cache)
-        self.packed_bytes = packing.nbytes
-        self.parked = park(packing, pool.chunks, self._rows(block_table))
+        self.packed_bytes = state.packing.nbytes
+        self.parked = park(state.packing, pool.chunks, self._rows(block_table))
         return block_table, []
 
 
