@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from both_models import best_of_presses
 from kvopt.eval.report import KEPT_RULE
 from sections import opening, row_dates
 
@@ -762,9 +763,7 @@ def _learned_table(by_step: dict, label: str, length: int, rows: list[dict]) -> 
     if not ran or not full:
         return [], []
     groups = per_method(rows)
-    presses = {spec: retention(group, full) for spec, group in groups.items()
-               if spec.startswith("kvpress:") and spec.endswith(":ratio=0.75")}  # fmt: skip
-    best_press = max((spec for spec in presses if presses[spec]), key=lambda spec: presses[spec].kept, default=None)
+    best_press = (best_of_presses(groups, 0.75) or (None,))[0]
     table = ["| method | prompts | accuracy | kept of `full`'s | prefill vs `full`'s |", "|---|---:|---|---|---:|"]
     for spec in [*LEARNED, *([best_press] if best_press else [])]:
         group = groups.get(spec, [])
