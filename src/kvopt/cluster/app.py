@@ -112,9 +112,12 @@ def build(engine_args: dict[str, Any], settings, spec: ClusterSpec, max_num_seqs
                                       "request_router_kwargs": spec.router_kwargs or {} if spec.router == "kv" else {}}  # fmt: skip
     router = RequestRouterConfig(request_routing_stats_period_s=spec.stats_period_s, **kind)
     autoscaling = spec.autoscaling_config(max_num_seqs)
+    room = max_num_seqs + settings.max_waiting
+    # The ingress admits at most every replica's room; Serve's queue in front of the router holds a burst of that
+    # many while the router assigns them (a queue of --max-waiting refused requests the replicas had room for).
     engine = serve.deployment(
         EngineReplica, name=ENGINE, ray_actor_options={"num_cpus": spec.cpus_per_replica, "num_gpus": spec.gpus_per_replica},
-        max_ongoing_requests=max_num_seqs + settings.max_waiting, max_queued_requests=max(1, settings.max_waiting),
+        max_ongoing_requests=room, max_queued_requests=spec.most_replicas * room,
         request_router_config=router, health_check_period_s=2, graceful_shutdown_timeout_s=settings.shutdown_timeout,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": spec.replicas}),
     )  # fmt: skip
