@@ -45,14 +45,18 @@ def reference_scores(model, tokenizer, context: torch.Tensor, method: KVzip) -> 
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_tokenizer, name):
+@pytest.mark.parametrize(("length", "chunk"), [(150, 64), (2040, 512)])
+def test_kvzip_layer_budgets_keep_what_the_reference_scores_highest(tiny_with_tokenizer, name, length, chunk):
+    """2040 tokens: a prompt just under the model's 2048 positions, whose reconstruction forwards (forgotten
+    afterwards) run past them; the prompt fits, so it is scored, not refused."""
     model, tokenizer = tiny_with_tokenizer
-    context = torch.randint(100, 5000, (1, 150), generator=torch.Generator().manual_seed(1))
-    method = METHODS[name](ratio=0.6, window=4, sinks=2, chunk=64, budgets="layer")
+    context = torch.randint(100, 5000, (1, length), generator=torch.Generator().manual_seed(1))
+    method = METHODS[name](ratio=0.6, window=4, sinks=2, chunk=chunk, budgets="layer")
     cache = kvopt.cache([method], model)
     cache.prefill(model, context, tokenizer=tokenizer)
+    assert cache.get_seq_length() == length
     for layer, scores in zip(cache.layers, reference_scores(model, tokenizer, context, method)):
-        keep = int(150 * 0.4)
+        keep = int(length * 0.4)
         for head in range(scores.shape[0]):
             ranked = scores[head].clone()
             ranked[:2] = float("inf")  # sinks

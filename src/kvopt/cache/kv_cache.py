@@ -87,7 +87,8 @@ class KVCache(Cache):
                     "attention; call kvopt.prepare(model) (kvopt.load_model and kvopt.cache do it)"
                 )
         limit = None if any(m.extends_context for m in self.methods) else self.info.max_positions
-        if layer_idx == 0 and limit is not None:
+        scoring_pass = self.layers[0].mode is not None and self.layers[0].mode.forgets_tokens
+        if layer_idx == 0 and limit is not None and not scoring_pass:
             total = self.layers[0].seen + key_states.shape[-2]
             if total > limit:
                 raise ContextTooLongError(

@@ -39,6 +39,9 @@ class AttentionMode(Protocol):
 
     #: What the mode is doing, for errors (e.g. "kvzip's reconstruction pass").
     purpose: str
+    #: The new tokens leave no trace but scores, so they may run past the model's last position (a scoring pass
+    #: over a prompt that itself fits).
+    forgets_tokens: bool
 
     def attend(self, layer: KVLayer, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
         ...

@@ -56,6 +56,7 @@ class Propagated:
     #: The first layer they reach, whose input hidden states are narrowed to them (later ones get them narrowed).
     first_layer: int
     purpose: ClassVar[str] = "a forward only some of whose tokens reach the layer (fastkv, chunk blending)"
+    forgets_tokens: ClassVar[bool] = False
 
     def positions(self, seen: int) -> torch.Tensor:
         """Sequence indices of the tokens reaching the layer: ``[kept]`` if the rows agree, else ``[batch, kept]``."""

@@ -16,7 +16,9 @@ whole cached context, about 3-4x the prefill time of the context alone here (BEN
 Deviations: chunks after the first restart from the previous chunk's last tokens as in the
 paper's code; scores are attention over the whole context (the paper's code renormalises over
 the chunk being rebuilt); sliding-window layers, which compact parts do not serve, keep the
-per-layer share under ``budgets=global``.
+per-layer share under ``budgets=global``. A prompt that fits the model's positions is scored even where the
+reconstruction forwards run past them (an 8,182-token prompt on an 8,192-position model): those tokens only
+score and are forgotten, with RoPE positions a chunk beyond the trained range.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class ReconstructionPass:
     are forgotten, so the pass leaves only scores behind."""
 
     purpose = "kvzip's reconstruction pass"
+    forgets_tokens = True
 
     def attend(self, layer: KVLayer, module, query, key, value, padding, scaling, sliding_window, softcap) -> torch.Tensor:
         if layer.parts:

@@ -67,6 +67,7 @@ class ProvisionalTokens:
     #: Attention inputs of each provisional token: ``(module, query, key, value, scaling, window, softcap)``.
     steps: list[tuple] = field(default_factory=list)
     purpose: ClassVar[str] = "a speculative block (commit it)"
+    forgets_tokens: ClassVar[bool] = False  # a rejected draft is rolled back, an accepted one stays
 
     @classmethod
     def open(cls, layer: KVLayer, seen: set[int]) -> ProvisionalTokens:
