@@ -174,7 +174,7 @@ def render(rows: list[dict]) -> str:
         "",
         (
             "| method | accuracy | kept of `full`'s | ppl | ppl gap | bytes/token (fp16, 4k) | x fp16 | held | per model | "
-            f"calibration | decode tok/s @ {meta.get('decode_length') or '-'} |"
+            f"calibration | decode tok/s{f' @ {length}' if (length := meta.get('decode_length')) else ''} |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -238,8 +238,10 @@ def collect(model_name: str | None, rows_file: Path, work: Path) -> None:
     counts = {spec: sum(row["method"] == spec for row in scored) for spec in plan["methods"]}
     planned = len(plan["tasks"]) * len(plan["lengths"]) * plan["prompts_per_cell"]
     previous = next((row for row in old if row.get("kind") == "meta"), {})
-    note = (f"Cut short: {min(counts.values())} to {max(counts.values())} of the {planned} planned prompts per "
-            "method so far (resumable with the same command).")  # fmt: skip
+    fewest, most = min(counts.values()), max(counts.values())
+    done = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+    note = (f"Cut short: {done} of the {planned} planned prompts per method so far (resumable with the same command)."
+            + ("" if decode else " Decode speed not measured yet: it runs once the grid completes."))  # fmt: skip
     meta = {
         "kind": "meta", "model": plan["model"], "tasks": sorted({r["task"] for r in scored}),
         "lengths": sorted({r["length"] for r in scored}), "prompts_per_cell": plan["prompts_per_cell"],
