@@ -267,6 +267,9 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_the_survivor_
     holder = max((count, replica) for replica, count in replica_counters(cluster).items())[1]
     survivor = next(replica for replica in replica_counters(cluster, "kvopt:kv_cache_usage_perc") if replica != holder)
     actor = next(a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{holder}"))
+    idle = lambda: list(replica_counters(cluster, "kvopt:num_requests_running").values()) == [0.0, 0.0]  # noqa: E731
+    wait_until(idle, what="both replicas idle in their reports (a stale load would route past the prefix)")
+    hits = metric(cluster, "kvopt:router_prefix_hits_total")
     body = {"model": MODEL, "prompt": PREFIX + [3000], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
@@ -274,7 +277,8 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_the_survivor_
         assert "choices" in first
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    assert metric(cluster, "kvopt:router_prefix_hits_total") - hits == 1  # the stream ran on the holder
+    assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "retry the request" in error["message"]
 
