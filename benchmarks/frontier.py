@@ -777,12 +777,16 @@ def _learned_table(by_step: dict, label: str, length: int, rows: list[dict]) -> 
     if label != MODEL and groups.get("locret:ratio=0.75"):
         kept = retention(groups["locret:ratio=0.75"], full)
         ratio = _prefill_ratio(by_step, label, length, "locret:ratio=0.75")
-        cheap = ratio.endswith("x") and float(ratio[:-1]) <= LEARNED_TARGET["prefill"]
-        met = kept is not None and kept.kept >= LEARNED_TARGET["kept"] and cheap
+        if kept is None or kept.kept < LEARNED_TARGET["kept"]:
+            state = "not met"
+        elif not ratio.endswith("x"):
+            state = f"not judged yet: its prefill is not timed at {length} tokens (step `cost`)"
+        else:
+            state = "met" if float(ratio[:-1]) <= LEARNED_TARGET["prefill"] else "not met"
         verdict.append(
             f"Target on {label} at {length} tokens (>= {LEARNED_TARGET['kept']:.0%} of `full`'s answers kept at 75% "
             f"removed, prefill <= {LEARNED_TARGET['prefill']}x `full`'s): `locret:ratio=0.75` kept "
-            f"{kept.cell() if kept else 'none'} at {ratio} `full`'s prefill: **{'met' if met else 'not met'}**."
+            f"{kept.cell() if kept else 'none'} at {ratio} `full`'s prefill: **{state}**."
         )  # fmt: skip
         verdict.append("")
     return table, verdict

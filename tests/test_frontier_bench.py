@@ -68,11 +68,11 @@ def test_locret_tables_pair_on_locrets_prompts_pick_the_best_press_and_judge_the
     assert any(line.startswith("Not measured yet:") and f"{QWEN} at 8192" in line for line in lines)
 
 
-def test_locret_target_is_not_met_when_its_prefill_was_not_timed_or_it_keeps_too_little():
+def test_locret_target_is_not_met_when_it_keeps_too_little_and_not_judged_when_its_prefill_was_not_timed():
     evaluated = {QWEN: [*answered("full", [1] * 10), *answered("locret:ratio=0.75", [1] * 8 + [0, 0])]}
     timed = [cost("full", 30.0, model=QWEN), cost("locret:ratio=0.75", 31.0, model=QWEN)]
     (verdict,) = [line for line in frontier._learned_part(frontier.rows_by_step(timed), evaluated) if "Target" in line]
     assert "kept 80% [49–94] of 10 at 1.03x" in verdict and verdict.endswith("**not met**.")
     evaluated = {QWEN: [*answered("full", [1] * 10), *answered("locret:ratio=0.75", [1] * 10)]}
     (verdict,) = [line for line in frontier._learned_part({}, evaluated) if "Target" in line]
-    assert "at – `full`'s prefill: **not met**" in verdict
+    assert "at – `full`'s prefill: **not judged yet: its prefill is not timed at 4096 tokens (step `cost`)**" in verdict
