@@ -87,10 +87,9 @@ class KVCache(Cache):
                     "attention; call kvopt.prepare(model) (kvopt.load_model and kvopt.cache do it)"
                 )
         limit = None if any(m.extends_context for m in self.methods) else self.info.max_positions
-        scoring_pass = self.layers[0].mode is not None and self.layers[0].mode.forgets_tokens
-        if layer_idx == 0 and limit is not None and not scoring_pass:
-            total = self.layers[0].seen + key_states.shape[-2]
-            if total > limit:
+        if layer_idx == 0 and limit is not None:
+            total, mode = self.layers[0].seen + key_states.shape[-2], self.layers[0].mode
+            if total > limit and not (mode is not None and mode.forgets_tokens):  # a scoring pass may run past it
                 raise ContextTooLongError(
                     f"context of {total} tokens exceeds the model's maximum of {limit} positions; "
                     "shorten the prompt or lower max_new_tokens"
