@@ -9,7 +9,8 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 * ``prefill``: a prompt of local real text at 4k and 8k tokens prefilled by ``full``, ``fastkv`` and ``snapkv`` at
   the same KV budget, each on its own (fastkv's prefill differs: nothing is replayed).
 * ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own
-  (``--model qwen2.5-coder-0.5b``: at 4k on that model, rows tagged with it).
+  (``--model qwen2.5-coder-0.5b``: at 4k on that model, rows tagged with it; ``--lengths 8192`` times other lengths
+  and replaces only those lengths' rows).
 * ``peak``: the KV bytes held at their highest while a 16k-token prompt of real text is prefilled, after every
   write into any layer (``full`` and ``locret:budget=1024``, whose chunked prefill evicts as the prompt streams in);
   run it with ``--model qwen2.5-coder-0.5b`` (the default model's context is 8k).
@@ -169,13 +170,18 @@ def measure_prefill(model, tokenizer, repeats: int) -> list[dict]:
     return rows
 
 
+def cost_lengths(label: str) -> list[int]:
+    """The ``cost`` step's prompt lengths for a model when ``--lengths`` does not name them."""
+    return AGNOSTIC_COST_LENGTHS if label == MODEL else OTHER_MODEL_COST_LENGTHS
+
+
 @torch.inference_mode()
-def measure_agnostic_cost(model, tokenizer, repeats: int, label: str = MODEL) -> list[dict]:
+def measure_agnostic_cost(model, tokenizer, repeats: int, label: str, lengths: list[int]) -> list[dict]:
     """Prefill time of the query-agnostic methods, each prefilling on its own (reconstruction pass included)."""
     from kvopt.api import build_cache
 
     rows = []
-    for length in AGNOSTIC_COST_LENGTHS if label == MODEL else OTHER_MODEL_COST_LENGTHS:
+    for length in lengths:
         ids = torch.tensor([prompt_ids(tokenizer, length)])
         for repeat in range(repeats):
             for spec in AGNOSTIC_COST:
@@ -423,10 +429,12 @@ def accuracy(step: str, loaded, samples: int) -> list[dict]:
 # -- the section ------------------------------------------------------------------------------------------------
 
 
-def others(rows: list[dict], step: str, batch: int, label: str) -> list[dict]:
-    """The rows a new run of ``step`` leaves: other steps', and its own of other batch sizes or models."""
+def others(rows: list[dict], step: str, batch: int, label: str, lengths: list[int] | None = None) -> list[dict]:
+    """The rows a new run of ``step`` leaves: other steps', and its own of other batch sizes or models (and of
+    other lengths, when the run timed only ``lengths``)."""
     return [row for row in rows if row["step"] != step or row.get("batch", batch) != batch
-            or row.get("model", MODEL) != label]  # fmt: skip
+            or row.get("model", MODEL) != label
+            or (lengths is not None and row.get("length") not in lengths)]  # fmt: skip
 
 
 def rows_by_step(rows: list[dict]) -> dict[str, list[dict]]:
@@ -829,10 +837,15 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="prompts per task and length in the accuracy steps")
     parser.add_argument("--model", default=None, help=f"a second model for the steps {', '.join(sorted(MODEL_STEPS))}")
+    parser.add_argument("--lengths", default=None, help="step cost only: prompt lengths to time, e.g. 8192 "
+                        "(replaces those lengths' rows, keeps the others)")  # fmt: skip
     args = parser.parse_args()
     steps = args.steps.split(",")
     if args.model and not set(steps) <= MODEL_STEPS:
         parser.error(f"--model applies to the steps {', '.join(sorted(MODEL_STEPS))} only")
+    if args.lengths and steps != ["cost"]:
+        parser.error("--lengths applies to --steps cost alone")
+    lengths = [int(length) for length in args.lengths.split(",")] if args.lengths else None
     torch.set_num_threads(1)
     import kvopt
 
@@ -843,7 +856,7 @@ def main() -> None:
         if step == "prefill":
             new = measure_prefill(model, tokenizer, args.repeats)
         elif step == "cost":
-            new = measure_agnostic_cost(model, tokenizer, args.repeats, label)
+            new = measure_agnostic_cost(model, tokenizer, args.repeats, label, lengths or cost_lengths(label))
         elif step == "peak":
             new = measure_peak(model, tokenizer, label)
         elif step == "train":
@@ -861,7 +874,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown step {step!r}; choose from {DEFAULT_STEPS}")
         old = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-        kept = others(old, step, args.batch, label)
+        kept = others(old, step, args.batch, label, lengths)
         ROWS.parent.mkdir(parents=True, exist_ok=True)
         ROWS.write_text("".join(json.dumps(row) + "\n" for row in kept + stamp(new, step)))
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]

@@ -41,6 +41,12 @@ def test_a_run_on_one_model_replaces_only_that_models_rows_of_its_step():
     assert frontier.others(old, "cost", 4, frontier.MODEL) == [old[1], old[2]]
 
 
+def test_a_cost_run_at_named_lengths_replaces_only_those_lengths_rows():
+    old = [cost("full", 30.0, model=QWEN), cost("full", 90.0, length=8192, model=QWEN)]
+    assert frontier.others(old, "cost", 4, QWEN, [8192]) == [old[0]]
+    assert frontier.others(old, "cost", 4, QWEN) == []
+
+
 def answered(method: str, scores: list[float], length: int = 4096) -> list[dict]:
     return [{"task": "passkey", "depth": 0.5, "sample": index, "length": length, "mode": "query_agnostic",
              "method": method, "score": score} for index, score in enumerate(scores)]  # fmt: skip
