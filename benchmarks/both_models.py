@@ -238,6 +238,7 @@ HEADLINES: list[tuple[str, Callable[[Path], Finding]]] = [
      "prose_needle, prose_multikey; query-agnostic)", two_bit_keeps),
     ("Locret's trained retaining heads keep >= 90% of full's answers at 75% removed (4k, query-agnostic)",
      locret_keeps(4096)),
+    ("... and at 8k", locret_keeps(8192)),
 ]
 
 

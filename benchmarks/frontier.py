@@ -99,10 +99,9 @@ AGNOSTIC_COST_LENGTHS = [2048, 4096]
 OTHER_MODEL_COST_LENGTHS = [4096]
 #: A long prompt streamed into a bounded cache: the specs and the prompt's length of the ``peak`` step.
 PEAK, PEAK_LENGTH = ["full", "locret:budget=1024"], 16384
-#: Locret (issue 39) and the query-agnostic contenders it is judged against, from each model's evaluation rows;
-#: kvpress's best press at 75% removed joins each table.
-LEARNED = ["full", "locret:ratio=0.75", "locret:ratio=0.9", "kvzip:ratio=0.75", "kvzip:ratio=0.9",
-           "shallowzip:ratio=0.75", "snapkv:ratio=0.75", "tova:ratio=0.75"]  # fmt: skip
+#: Locret (issue 39) and the query-agnostic contenders it is judged against at each share removed, from each
+#: model's evaluation rows; kvpress's best press at that share joins each table.
+LEARNED, LEARNED_RATIOS = ["locret", "kvzip", "shallowzip", "snapkv", "tova"], (0.75, 0.9)
 LEARNED_LENGTHS = [4096, 8192]
 EVAL_ROWS = {MODEL: ROOT / "benchmarks" / "results" / "eval.jsonl",
              QWEN: ROOT / "benchmarks" / "results" / QWEN / "eval.jsonl"}  # fmt: skip
@@ -196,8 +195,8 @@ def measure_agnostic_cost(model, tokenizer, repeats: int, label: str, lengths: l
 
 @torch.inference_mode()
 def measure_peak(model, tokenizer, label: str) -> list[dict]:
-    """KV bytes held at their highest while a :data:`PEAK_LENGTH`-token prompt is prefilled (read after every write
-    into any layer: a chunked prefill's bytes before each eviction included), and at the end, per spec."""
+    """KV bytes held at their highest while a :data:`PEAK_LENGTH`-token prompt is prefilled (read in every layer
+    once each chunk's tokens are stored, before the methods evict, and again after), and at the end, per spec."""
     from kvopt.api import build_cache
     from kvopt.eval.decoding import forward
 
@@ -213,7 +212,7 @@ def measure_peak(model, tokenizer, label: str) -> list[dict]:
         cache = build_cache(spec, model)
         peak = [0]
         for layer in cache.layers:
-            layer.update = _watched(layer.update, cache, peak)
+            layer.act = _watched(layer.act, cache, peak)
         began = time.perf_counter()
         forward(model, ids, cache, 0)
         seconds, end = time.perf_counter() - began, cache.nbytes()
@@ -223,13 +222,14 @@ def measure_peak(model, tokenizer, label: str) -> list[dict]:
     return rows
 
 
-def _watched(update, cache, peak: list[int]):
-    """``update`` (a layer's write of new keys and values), noting the whole cache's bytes after each call."""
+def _watched(act, cache, peak: list[int]):
+    """``act`` (a layer letting its methods evict once a chunk's tokens are stored), noting the whole cache's bytes
+    before and after each call: the highest a chunked prefill holds is just before an eviction."""
 
     def watched(*args, **kwargs):
-        written = update(*args, **kwargs)
         peak[0] = max(peak[0], cache.nbytes())
-        return written
+        act(*args, **kwargs)
+        peak[0] = max(peak[0], cache.nbytes())
 
     return watched
 
@@ -696,8 +696,9 @@ def _peak_part(by_step: dict) -> list[str]:
         return []
     lines = [
         f"A long prompt streamed into a bounded cache (step `peak`): KV bytes held at their highest while a "
-        f"{rows[0]['length']:,}-token prompt of local real text is prefilled in one call (read after every write "
-        "into any layer, so a chunked prefill's bytes before each eviction count), and at its end:",
+        f"{rows[0]['length']:,}-token prompt of local real text is prefilled in one call (read in every layer once "
+        "each chunk's tokens are stored, before its methods evict and after, so a chunked prefill's highest point "
+        "counts; the cache's KV bytes, not the process's memory), and at its end:",
         "",
         "| model | method | peak KV bytes | vs `full` | at the end | prefill s |",
         "|---|---|---:|---:|---:|---:|",
@@ -731,7 +732,7 @@ def _learned_part(by_step: dict, evaluated: dict[str, list[dict]] | None = None)
         "",
         f"{', '.join(TASKS)}, query-agnostic, on the prompts `locret:ratio=0.75` ran at each length (the evaluation "
         "grid's rows; the command is in `benchmarks/frontier.py`'s docstring); each method paired with `full` on "
-        "those prompts. kvpress's best press at 75% removed (the highest kept share) joins each table. Prefill: the "
+        "those prompts. kvpress's best press at each share removed (the highest kept share) joins it. Prefill: the "
         "`cost` step's median against `full`'s on the same model and length, where it ran.",
         "",
     ]
@@ -771,9 +772,12 @@ def _learned_table(by_step: dict, label: str, length: int, rows: list[dict]) -> 
     if not ran or not full:
         return [], []
     groups = per_method(rows)
-    best_press = (best_of_presses(groups, 0.75) or (None,))[0]
+    specs = ["full"]
+    for ratio in LEARNED_RATIOS:
+        best_press = _best_press(groups, ratio)
+        specs += [*(f"{name}:ratio={ratio}" for name in LEARNED), *([best_press] if best_press else [])]
     table = ["| method | prompts | accuracy | kept of `full`'s | prefill vs `full`'s |", "|---|---:|---|---|---:|"]
-    for spec in [*LEARNED, *([best_press] if best_press else [])]:
+    for spec in specs:
         group = groups.get(spec, [])
         if not group:
             table.append(f"| `{spec}` | 0 | not measured | – | – |")
@@ -798,6 +802,15 @@ def _learned_table(by_step: dict, label: str, length: int, rows: list[dict]) -> 
         )  # fmt: skip
         verdict.append("")
     return table, verdict
+
+
+def _best_press(groups: dict[str, list[dict]], ratio: float) -> str | None:
+    """kvpress's press keeping the most of ``full``'s answers at ``ratio`` removed, among the presses run on the most
+    prompts (a press tried on a few prompts does not win by their luck)."""
+    presses = {spec: rows for spec, rows in groups.items() if spec.startswith("kvpress:") and spec.endswith(f"={ratio}")}
+    most = max(map(len, presses.values()), default=0)
+    widest = {spec: rows for spec, rows in presses.items() if len(rows) == most}
+    return (best_of_presses({**widest, "full": groups["full"]}, ratio) or (None,))[0] if widest else None
 
 
 def _prefill_ratio(by_step: dict, label: str, length: int, spec: str) -> str:

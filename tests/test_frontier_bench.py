@@ -35,6 +35,21 @@ def test_peak_rows_compare_each_method_with_full():
     assert any("16,384-token prompt" in line for line in lines)
 
 
+def test_the_peak_is_read_before_each_eviction_not_only_after():
+    held = [100]
+
+    class Cache:
+        def nbytes(self) -> int:
+            return held[0]
+
+    def act() -> None:  # a chunk stored (held 100), then evicted down to 40
+        held[0] = 40
+
+    peak = [0]
+    frontier._watched(act, Cache(), peak)()
+    assert peak == [100] and held == [40]
+
+
 def test_a_run_on_one_model_replaces_only_that_models_rows_of_its_step():
     old = [cost("full", 30.0), cost("full", 40.0, model=QWEN), {"step": "decode", "method": "full", "batch": 4}]
     assert frontier.others(old, "cost", 4, QWEN) == [old[0], old[2]]
@@ -61,6 +76,9 @@ def test_locret_tables_pair_on_locrets_prompts_pick_the_best_press_and_judge_the
             *answered("kvzip:ratio=0.75", [1, 1, 0, 1, 0]),
             *answered("kvpress:tova:ratio=0.75", [1, 0, 0, 0, 0]),
             *answered("kvpress:snapkv:ratio=0.75", [1, 1, 0, 0, 0]),
+            *answered("tova:ratio=0.9", [1, 0, 0, 1, 0]),
+            *answered("kvpress:tova:ratio=0.9", [0, 1, 0, 0, 0]),
+            *answered("kvpress:snapkv:ratio=0.9", [1, 1]),  # tried on two prompts only: not the best press
         ],
     }
     timed = [cost("full", 30.0, model=QWEN), cost("locret:ratio=0.75", 33.0, model=QWEN)]
@@ -69,7 +87,10 @@ def test_locret_tables_pair_on_locrets_prompts_pick_the_best_press_and_judge_the
     assert "| `kvzip:ratio=0.75` | 5 | 60% [23–88] (n=5) | 75% [30–95] of 4 | – |" in lines
     assert "| `tova:ratio=0.75` | 0 | not measured | – | – |" in lines
     assert any(line.startswith("| `kvpress:snapkv:ratio=0.75` | 5 |") for line in lines)
-    assert not any("kvpress:tova" in line for line in lines)
+    assert not any("kvpress:tova:ratio=0.75" in line or "kvpress:snapkv:ratio=0.9" in line for line in lines)
+    assert "| `tova:ratio=0.9` | 5 | 40% [12–77] (n=5) | 50% [15–85] of 4 | – |" in lines
+    assert "| `shallowzip:ratio=0.9` | 0 | not measured | – | – |" in lines
+    assert any(line.startswith("| `kvpress:tova:ratio=0.9` | 5 |") for line in lines)
     assert any("at 1.10x `full`'s prefill: **met**" in line for line in lines)
     assert any(line.startswith("Not measured yet:") and f"{QWEN} at 8192" in line for line in lines)
 

@@ -230,12 +230,13 @@ def saved_heads(model, trained, folder) -> str:
     return str(path)
 
 
-def test_engine_outputs_equal_generate_with_the_same_cache(model, trained, tmp_path):
+@pytest.mark.parametrize("quantizer", ["", "+kivi:bits=4,residual=8"])
+def test_engine_outputs_equal_generate_with_the_same_cache(model, trained, tmp_path, quantizer):
     """Per request and engine-wide, the engine's own-cache sequences give generate's tokens (prompts of several
-    chunks, run in the same steps)."""
+    chunks, run in the same steps), alone and with a quantizer after the eviction."""
     from kvopt.engine import LLM, SamplingParams
 
-    spec = f"locret:ratio=0.5,window=4,chunk=24,heads={saved_heads(model, trained, tmp_path)}"
+    spec = f"locret:ratio=0.5,window=4,chunk=24,heads={saved_heads(model, trained, tmp_path)}{quantizer}"
     prompts = [text_ids(n, seed=n).tolist() for n in (90, 140, 60)]
     expected = []
     for prompt in prompts:
@@ -333,6 +334,22 @@ def test_missing_heads_name_the_command_when_training_is_long_or_cannot_be_store
     monkeypatch.setenv("KVOPT_CACHE", str(tmp_path / "file"))
     with pytest.raises(MethodParameterError, match="is a file.*run `kvopt train locret --model"):
         kvopt.cache("locret:ratio=0.5", named_model)
+
+
+def test_heads_cached_in_a_folder_this_process_cannot_write_are_loaded(named_model, tmp_path, monkeypatch):
+    import kvopt.paths
+
+    kvopt.cache("locret:ratio=0.5", named_model)  # trained into tmp_path/locret
+
+    def read_only(path, what):  # as for a cache folder mounted read-only (tests run as root: chmod would not do)
+        raise kvopt.errors.KVOptError(f"{what} {path} is not writable; pass a folder you can write to")
+
+    monkeypatch.setattr(kvopt.paths, "writable_folder", read_only)
+    assert kvopt.cache("locret:ratio=0.5", named_model).methods[0].trained.path == heads_file(tmp_path)
+    heads_file(tmp_path).unlink()
+    with pytest.raises(MethodParameterError, match="is not writable.*run `kvopt train locret --model") as refusal:
+        kvopt.cache("locret:ratio=0.5", named_model)
+    assert "\n" not in str(refusal.value)
 
 
 def test_heads_of_another_model_are_refused_with_one_line(model, trained, tmp_path):

@@ -35,7 +35,14 @@ best scores; the newest tokens are the ones a question reads); the prompt's tail
 ``window`` is a quarter of the budget at most (the paper: 2,500 of 6,000 to 16,384), ``chunk`` 512
 (the paper: 1,024 to 4,096 for 128k prompts). Heads: see :mod:`kvopt.methods.locret_heads`.
 
-Measured on the default model (heads format 3: 32,768 tokens, 196 s of CPU time), query-agnostic on the 24
+Where the heads come from: ``kvopt.cache("locret:ratio=0.75", model)`` loads the model's heads from
+``$KVOPT_CACHE/locret`` (a read-only cache folder is fine) or from ``heads=PATH``. With none cached,
+a model whose training is estimated under a minute (tiny test models) trains on first use with a
+one-line notice; any larger one (the default model: 1.5-3 min on one CPU thread, Qwen2.5-Coder-0.5B
+about 4) stops with one line naming ``kvopt train locret --model PATH [--tokens N]``, which shows a
+progress bar, resumes an interrupted run and prints the held-out validation loss.
+
+Measured on the default model (heads format 3: 32,768 tokens, 95-196 s of CPU time by the machine's load), query-agnostic on the 24
 passkey / niah / niah_multivalue prompts at 2k of BENCHMARKS.md's prefill-cheap table, paired with ``full``: at 75%
 removed it keeps 87% [68–95] of ``full``'s answers (``kvzip`` 73%, ``surprisal`` 68%, ``shallowzip`` 64%, ``tova``
 49% on the same prompts) at 1.12x ``full``'s prefill (``kvzip`` ~3.7x); at 90% removed 65% [44–81] (``kvzip`` 57%).

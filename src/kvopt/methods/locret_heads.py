@@ -353,9 +353,9 @@ def _read(path: Path) -> dict | None:
 # -- heads for a model: the cache, or training on first use -------------------------------------
 #: Training on first use only when its estimate stays under this (seconds); longer runs are left to the command.
 QUICK_SECONDS = 60.0
-#: Floating-point operations per second assumed for the estimate: about half of what one CPU thread reached while
-#: training the default model's heads (196 s of CPU time for 32,768 tokens), so the default model (~8 min by this
-#: estimate) is left to the command and tiny models train on first use.
+#: Floating-point operations per second assumed for the estimate: about half of what one busy CPU thread reached
+#: while training the default model's heads (196 s of CPU time for 32,768 tokens; 95 s on a quieter machine), so the
+#: default model (~8 min by this estimate) is left to the command and tiny models train on first use.
 ASSUMED_FLOPS = 2e10
 
 
@@ -420,17 +420,19 @@ def train_for_model(model, text: Callable[[], str], tokens: int | None = None,
 
 
 def cached_or_trained(model, text: Callable[[], str], notice: Callable[[str], None]) -> TrainedHeads:
-    """The cached heads of ``model``; missing or damaged ones are trained now when that is quick (with a
-    ``notice``), else the error names the training command."""
+    """The cached heads of ``model`` (read even from a cache folder this process cannot write); missing or damaged
+    ones are trained now when that is quick (with a ``notice``), else the error names the training command."""
+    from kvopt.models.loading import cache_root
+
     fingerprint = model_fingerprint(model)
-    folder = heads_folder(model)
-    path = heads_path(folder, fingerprint)
+    path = heads_path(cache_root() / "locret", fingerprint)
     damage = None
-    if path.exists():
+    if path.is_file():
         try:
             return load(path, fingerprint, next(model.parameters()).device)
         except HeadsFileError as error:
             damage = str(error)
+    folder = heads_folder(model)  # training stores its heads: a folder that cannot take them names the command
     if estimated_seconds(model, TRAIN_TOKENS) > QUICK_SECONDS:
         found = damage or "locret: no retaining heads are trained for this model yet"
         raise MethodParameterError(f"{found}; training takes minutes: run `{train_command(model)}` once")

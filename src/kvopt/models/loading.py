@@ -48,9 +48,14 @@ STAGING_PREFIX = ".converting-"
 MISSING = "missing"
 
 
+def cache_root() -> Path:
+    """``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), as it is: for reading what is kept there."""
+    return Path(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt").expanduser()
+
+
 def cache_dir() -> Path:
-    """Where converted models live: ``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), created if missing."""
-    return writable_folder(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt", "KVOPT_CACHE")
+    """Where converted models live: :func:`cache_root`, created if missing and writable."""
+    return writable_folder(cache_root(), "KVOPT_CACHE")
 
 
 def calibration_path(folder: str, model, settings: list, suffix: str = ".pt", version: tuple = ()) -> Path:
