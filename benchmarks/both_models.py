@@ -203,14 +203,17 @@ def two_bit_keeps(folder: Path) -> Finding:
     return Finding(text, pooled.kept >= 0.8 and prose.kept >= 0.8)
 
 
-def locret_keeps(length: int) -> Callable[[Path], Finding]:
-    """Locret's trained heads against full (and kvzip, on the same prompts) at 75% removed, query-agnostic."""
+def locret_keeps(length: int, least: int = 24) -> Callable[[Path], Finding]:
+    """Locret's trained heads against full (and kvzip, on the same prompts) at 75% removed, query-agnostic, judged
+    once ``least`` prompts (the grid's cell: 3 tasks x 8 samples) are paired."""
 
     def measure(folder: Path) -> Finding:
         scores = {spec: [r for r in found if r["length"] == length] for spec, found in scored_rows(folder).items()}
         ours = retention(scores.get("locret:ratio=0.75", []), scores.get("full", []))
         if ours is None:
             return Finding("not measured", None)
+        if ours.prompts < least:
+            return Finding(f"not measured: {ours.prompts} of {least} prompts so far (locret kept {ours.cell()})", None)
         prompt = lambda r: (r["task"], r["depth"], r["sample"])  # noqa: E731
         prompts = {prompt(r) for r in scores["locret:ratio=0.75"]}
         kvzip = retention([r for r in scores.get("kvzip:ratio=0.75", []) if prompt(r) in prompts], scores["full"])

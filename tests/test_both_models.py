@@ -180,9 +180,11 @@ def test_locret_claim_pairs_on_its_own_prompts_at_its_length_and_needs_nine_tent
     rows += [task_row("kvzip:ratio=0.75", sample, 1.0) for sample in range(12)]  # 2 prompts locret did not run
     rows += [task_row("locret:ratio=0.75", sample, 0.0, length=8192) for sample in range(10)]  # another length
     write(tmp_path, both_models.EVAL, rows)
-    finding = both_models.locret_keeps(4096)(tmp_path)
+    finding = both_models.locret_keeps(4096, least=10)(tmp_path)
     assert finding.holds is True
     assert finding.text.startswith("locret kept 90% [60–98] of 10") and "kvzip 100% [72–100] of 10" in finding.text
+    short = both_models.locret_keeps(4096)(tmp_path)  # fewer prompts than the grid's cell of 24: no verdict yet
+    assert short.holds is None and short.text.startswith("not measured: 10 of 24 prompts so far (locret kept 90%")
     write(tmp_path, both_models.EVAL, [*rows[:12], *(task_row("locret:ratio=0.75", s, float(s > 1)) for s in range(10))])
-    assert both_models.locret_keeps(4096)(tmp_path).holds is False
-    assert both_models.locret_keeps(8192)(tmp_path).holds is None
+    assert both_models.locret_keeps(4096, least=10)(tmp_path).holds is False
+    assert both_models.locret_keeps(8192, least=10)(tmp_path).holds is None

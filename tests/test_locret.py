@@ -326,6 +326,16 @@ def test_a_damaged_heads_file_is_retrained_or_refused_with_one_line(named_model,
     assert "\n" not in message
 
 
+def test_heads_whose_weights_changed_after_saving_fail_their_checksum(named_model, tmp_path):
+    kvopt.cache("locret:ratio=0.5", named_model)
+    path = heads_file(tmp_path)
+    saved = torch.load(path, weights_only=True)
+    saved["state"]["fc1"][0, 0, 0] += 1.0  # a whole file torch reads back, one weight flipped
+    torch.save(saved, path)
+    with pytest.raises(locret_heads.HeadsFileError, match="checksum does not match its weights"):
+        locret_heads.load(path, locret_heads.model_fingerprint(named_model), torch.device("cpu"))
+
+
 def test_missing_heads_name_the_command_when_training_is_long_or_cannot_be_stored(named_model, tmp_path, monkeypatch):
     monkeypatch.setattr(locret_heads, "QUICK_SECONDS", 0.0)
     with pytest.raises(MethodParameterError, match="no retaining heads are trained .* run `kvopt train locret --model"):
