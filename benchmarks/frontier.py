@@ -11,9 +11,9 @@ Steps (one torch thread each; timings interleaved method by method within a repe
 * ``cost``: the query-agnostic methods' prefill time (reconstruction included) at 2k and 4k, each on its own
   (``--model qwen2.5-coder-0.5b``: at 4k on that model, rows tagged with it; ``--lengths 8192`` times other lengths
   and replaces only those lengths' rows).
-* ``peak``: the KV bytes held at their highest while a 16k-token prompt of real text is prefilled, after every
-  write into any layer (``full`` and ``locret:budget=1024``, whose chunked prefill evicts as the prompt streams in);
-  run it with ``--model qwen2.5-coder-0.5b`` (the default model's context is 8k).
+* ``peak``: the KV bytes held at their highest while a 16k-token prompt of real text is prefilled, read in every
+  layer before and after its methods evict (``full`` and ``locret:budget=1024``, whose chunked prefill evicts as the
+  prompt streams in); run it with ``--model qwen2.5-coder-0.5b`` (the default model's context is 8k).
 * ``decode``: decode tok/s after an 8k prompt: ``full``, ``rocketkv`` at token budgets 256 and 512 (also with its
   rows in 4 bits, ``+tokenquant:bits=4``), and ``snapkv`` keeping the bytes each unquantized rocketkv budget
   stores (summaries included); one recorded prefill replayed.

@@ -42,11 +42,12 @@ one-line notice; any larger one (the default model: 1.5-3 min on one CPU thread,
 about 4) stops with one line naming ``kvopt train locret --model PATH [--tokens N]``, which shows a
 progress bar, resumes an interrupted run and prints the held-out validation loss.
 
-Measured on the default model (heads format 3: 32,768 tokens, 95-196 s of CPU time by the machine's load), query-agnostic on the 24
-passkey / niah / niah_multivalue prompts at 2k of BENCHMARKS.md's prefill-cheap table, paired with ``full``: at 75%
-removed it keeps 87% [68–95] of ``full``'s answers (``kvzip`` 73%, ``surprisal`` 68%, ``shallowzip`` 64%, ``tova``
-49% on the same prompts) at 1.12x ``full``'s prefill (``kvzip`` ~3.7x); at 90% removed 65% [44–81] (``kvzip`` 57%).
-Without pooling it kept 66% on 23 prompts; format 2 (prose only, pre-RoPE target) 1.2 of ``full``'s 17.8 answers.
+Measured on the default model (heads format 3: 32,768 tokens, 95-196 s of CPU time by the machine's load),
+query-agnostic on the 24 passkey / niah / niah_multivalue prompts at 2k of BENCHMARKS.md's prefill-cheap table,
+paired with ``full``: at 75% removed it keeps 87% [68–95] of ``full``'s answers (``kvzip`` 73%, ``surprisal`` 68%,
+``shallowzip`` 64%, ``tova`` 49% on the same prompts) at 1.12x ``full``'s prefill (``kvzip`` ~3.7x); at 90%
+removed 65% [44–81] (``kvzip`` 57%). Without pooling it kept 66% on 23 prompts; format 2 (prose only, pre-RoPE
+target) 1.2 of ``full``'s 17.8 answers.
 On Qwen2.5-Coder-0.5B (heads: 32,768 tokens, 231 s, 14.4 MB), passkey / niah / niah_multivalue, 24 prompts per
 length: 97% [81-100] of ``full``'s answers kept at 75% removed at 4k and 98% [82-100] at 8k (``kvzip`` 97%, 96%),
 prefill 1.02x and 1.00x ``full``'s in interleaved runs (``kvzip`` 3.57x, 4.43x); a 16,384-token prompt under
