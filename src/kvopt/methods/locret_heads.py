@@ -353,6 +353,8 @@ def _read(path: Path) -> dict | None:
 # -- heads for a model: the cache, or training on first use -------------------------------------
 #: Training on first use only when its estimate stays under this (seconds); longer runs are left to the command.
 QUICK_SECONDS = 60.0
+#: The heads' folder under ``$KVOPT_CACHE``: read from as it is, written into once made writable.
+HEADS_FOLDER = "locret"
 #: Floating-point operations per second assumed for the estimate: about half of what one busy CPU thread reached
 #: while training the default model's heads (196 s of CPU time for 32,768 tokens; 95 s on a quieter machine), so the
 #: default model (~8 min by this estimate) is left to the command and tiny models train on first use.
@@ -393,7 +395,7 @@ def heads_folder(model) -> Path:
     from kvopt.paths import writable_folder
 
     try:
-        return writable_folder(cache_dir() / "locret", "KVOPT_CACHE")
+        return writable_folder(cache_dir() / HEADS_FOLDER, "KVOPT_CACHE")
     except KVOptError as error:
         raise MethodParameterError(
             f"locret: no retaining heads can be kept for this model ({error}); with a writable KVOPT_CACHE, "
@@ -425,7 +427,7 @@ def cached_or_trained(model, text: Callable[[], str], notice: Callable[[str], No
     from kvopt.models.loading import cache_root
 
     fingerprint = model_fingerprint(model)
-    path = heads_path(cache_root() / "locret", fingerprint)
+    path = heads_path(cache_root() / HEADS_FOLDER, fingerprint)
     damage = None
     if path.is_file():
         try:
