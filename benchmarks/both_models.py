@@ -199,7 +199,9 @@ def two_bit_keeps(folder: Path) -> Finding:
     spec, (pooled, prose) = max(shares.items(), key=lambda item: min(item[1][0].kept, item[1][1].kept))
     others = ", ".join(f"`{other}` {all_.cell()} (prose {own.cell()})" for other, (all_, own) in shares.items()
                        if other != spec)  # fmt: skip
-    text = f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
+    lengths = "/".join(str(length) for length in sorted(plan["lengths"]))
+    text = (f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
+            f" at {lengths} tokens")
     return Finding(text, pooled.kept >= 0.8 and prose.kept >= 0.8)
 
 

@@ -166,7 +166,7 @@ def test_two_bit_claim_waits_for_every_planned_cell_then_needs_the_prose_share_t
     assert partial.holds is None and "prose_needle@2048 (2/4)" in partial.text and "passkey@2048" not in partial.text
     write(grid, both_models.EVAL, found + cell("aquakv", "prose_needle", [1, 1, 0, 0])[2:])
     complete = both_models.two_bit_keeps(tmp_path)
-    assert complete.holds is False and "best `kivi:bits=2` kept 88%" in complete.text
+    assert complete.holds is False and "best `kivi:bits=2` kept 88%" in complete.text and "at 2048 tokens" in complete.text
     assert "prose tasks 75% [" in complete.text and "`aquakv` 75% [" in complete.text and "(prose 50% [" in complete.text
     write(grid, both_models.EVAL, [row for row in found if row["method"] != "kivi:bits=2" or row["sample"] != 3]
           + cell("kivi:bits=2", "prose_needle", [1, 1, 1, 1])[3:] + cell("kivi:bits=2", "passkey", [1, 1, 1, 1])[3:]
