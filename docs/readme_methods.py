@@ -46,7 +46,7 @@ HEADLINES = {
                    AGNOSTIC),
     "locret": ("query-agnostic, 75% removed, 24 prompts per length: 97% [81–100] of `full`'s answers kept at 4k and "
                "98% [82–100] at 8k (`kvzip` 97%, 96%; `tova` 79%, 75%), at 1.02x and 1.00x `full`'s prefill (`kvzip` "
-               "3.57x, 4.43x); 90% removed: 91%, 90% (4k: `kvzip` 86%, `tova` 66%); a 16k prompt under `budget=1024` peaks at 1/15.1 of `full`'s KV",
+               "3.57x, 4.43x); 90% removed: 91%, 90% (`kvzip` 86%, 84%; `tova` 66%, 57%); a 16k prompt under `budget=1024` peaks at 1/15.1 of `full`'s KV",
                "Qwen2.5-Coder-0.5B", LEARNED),
     "surprisal": ("query-agnostic, 75% removed: 65% of answers at 1.30x `full`'s prefill", "SmolLM2-135M", AGNOSTIC),
     "fastkv": ("prefill 1.78x faster than `full` at 8k tokens", "SmolLM2-135M", FASTKV),
