@@ -166,7 +166,8 @@ def two_bit_keeps(folder: Path) -> Finding:
     """Some 2-bit recipe keeps >= 80% of full's answers over the whole 2-bit grid and over its needles in prose.
 
     Judged only once every (method, task, length) cell of the grid's plan has its prompts: a partial grid is
-    "not measured", naming the task and length cells still short of prompts (fewest rows of any method)."""
+    "not measured", naming the task and length cells still short of prompts (fewest rows of any method) and the
+    best recipe's share so far."""
     grid = folder / TWO_BIT_GRID
     if not (grid / TWO_BIT_PLAN).exists():
         return Finding("not measured", None)
@@ -181,9 +182,21 @@ def two_bit_keeps(folder: Path) -> Finding:
             fewest = min(len(prompts.get((method, task, length), ())) for method in plan["methods"])
             if fewest < plan["prompts_per_cell"]:
                 short[f"{task}@{length}"] = fewest
+    best = _best_two_bit(plan, scored)
     if short:
         cells = ", ".join(f"{cell} ({count}/{plan['prompts_per_cell']})" for cell, count in short.items())
-        return Finding(f"not measured: 2-bit grid cells still short of prompts: {cells}", None)
+        so_far = f"; so far {best[0]}" if best else ""
+        return Finding(f"not measured: 2-bit grid cells still short of prompts: {cells}{so_far}", None)
+    if best is None:
+        return Finding("not measured: full answered none of the 2-bit grid's prose prompts", None)
+    text, holds = best
+    lengths = "/".join(str(length) for length in sorted(plan["lengths"]))
+    return Finding(f"{text} at {lengths} tokens", holds)
+
+
+def _best_two_bit(plan: dict, scored: list[dict]) -> tuple[str, bool] | None:
+    """The 2-bit recipe keeping the most of full's answers on its weaker side (pooled or prose), beside the others,
+    and whether it keeps >= 80% on both; None when full answered none of the prose prompts."""
     by_method = {method: [row for row in scored if row["method"] == method] for method in plan["methods"]}
     reference = by_method[plan["reference"]]
     prose_reference = [row for row in reference if row["task"] in PROSE_TASKS]
@@ -194,15 +207,13 @@ def two_bit_keeps(folder: Path) -> Finding:
         if pooled is not None and prose is not None:
             shares[spec] = pooled, prose
     if not shares:
-        return Finding("not measured: full answered none of the 2-bit grid's prose prompts", None)
+        return None
     # the prose share must hold too: a pooled share can hide prose needles lost behind kept passkeys
     spec, (pooled, prose) = max(shares.items(), key=lambda item: min(item[1][0].kept, item[1][1].kept))
     others = ", ".join(f"`{other}` {all_.cell()} (prose {own.cell()})" for other, (all_, own) in shares.items()
                        if other != spec)  # fmt: skip
-    lengths = "/".join(str(length) for length in sorted(plan["lengths"]))
-    text = (f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
-            f" at {lengths} tokens")
-    return Finding(text, pooled.kept >= 0.8 and prose.kept >= 0.8)
+    text = f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
+    return text, pooled.kept >= 0.8 and prose.kept >= 0.8
 
 
 def locret_keeps(length: int, least: int = 24) -> Callable[[Path], Finding]:
