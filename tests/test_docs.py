@@ -53,6 +53,21 @@ def test_the_readme_table_of_methods_is_the_registry():
     assert readme_methods.rewritten(text) == text, "README.md's table of methods is stale: python docs/readme_methods.py"
 
 
+#: A paired share with its Wilson interval as the report prints it ("94% [87–98]").
+INTERVAL = re.compile(r"\d+% \[\d+–\d+\]")
+FENCE = re.compile(r"```[a-z]*\n.*?```", re.DOTALL)
+
+
+def test_the_docs_quote_only_intervals_the_report_prints():
+    """Every share with its interval quoted in the README or the docs is one BENCHMARKS.md prints (or a command's
+    recorded output on a docs page shows): a figure copied by hand goes stale when a grid grows, and this names it."""
+    pages = [README, *sorted(DOCS.rglob("*.md"))]
+    printed = (ROOT / "BENCHMARKS.md").read_text() + "".join("".join(FENCE.findall(page.read_text())) for page in pages)
+    stale = {f"{page.relative_to(ROOT)}: {quoted}" for page in pages for quoted in INTERVAL.findall(page.read_text())
+             if quoted not in printed}  # fmt: skip
+    assert not stale, f"figures BENCHMARKS.md no longer prints (update them from it): {sorted(stale)}"
+
+
 def doc_blocks() -> list[tuple[str, int, str]]:
     """``(page, line, code)`` of every docs Python block not marked ``<!-- not run: why -->``."""
     found = []
