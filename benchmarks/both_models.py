@@ -212,8 +212,8 @@ def _best_two_bit(plan: dict, scored: list[dict]) -> tuple[str, bool] | None:
     spec, (pooled, prose) = max(shares.items(), key=lambda item: min(item[1][0].kept, item[1][1].kept))
     others = ", ".join(f"`{other}` {all_.cell()} (prose {own.cell()})" for other, (all_, own) in shares.items()
                        if other != spec)  # fmt: skip
-    text = f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}; {pooled.prompts} prompts"
-    return text, pooled.kept >= 0.8 and prose.kept >= 0.8
+    text = f"best `{spec}` kept {pooled.with_accuracy()}, prose tasks {prose.cell()}; {others}"
+    return f"{text}; {pooled.prompts} prompts", pooled.kept >= 0.8 and prose.kept >= 0.8
 
 
 def locret_keeps(length: int, least: int = 24) -> Callable[[Path], Finding]:

@@ -61,9 +61,9 @@ FENCE = re.compile(r"```[a-z]*\n.*?```", re.DOTALL)
 def test_the_docs_quote_only_intervals_the_report_prints():
     """Every share with its interval quoted in the README or the docs is one BENCHMARKS.md prints (or a command's
     recorded output on a docs page shows): a figure copied by hand goes stale when a grid grows, and this names it."""
-    pages = [README, *sorted(DOCS.rglob("*.md"))]
-    printed = (ROOT / "BENCHMARKS.md").read_text() + "".join("".join(FENCE.findall(page.read_text())) for page in pages)
-    stale = {f"{page.relative_to(ROOT)}: {quoted}" for page in pages for quoted in INTERVAL.findall(page.read_text())
+    texts = {page: page.read_text() for page in [README, *sorted(DOCS.rglob("*.md"))]}
+    printed = (ROOT / "BENCHMARKS.md").read_text() + "".join("".join(FENCE.findall(text)) for text in texts.values())
+    stale = {f"{page.relative_to(ROOT)}: {quoted}" for page, text in texts.items() for quoted in INTERVAL.findall(text)
              if quoted not in printed}  # fmt: skip
     assert not stale, f"figures BENCHMARKS.md no longer prints (update them from it): {sorted(stale)}"
 
