@@ -4,8 +4,8 @@ One run on the default model (issues 17 and 42): passkey, niah, niah_multivalue 
 real prose (prose_needle, prose_multikey, where 2-bit errors hurt most) at 2k and 4k tokens (8 needle
 depths x 3 samples = 24 prompts each, query-agnostic: the context is compressed before the question is seen),
 streaming perplexity over 4,096 tokens of local real text, through kvopt's evaluation harness
-(:func:`kvopt.eval.runner.run_eval`; contenders interleaved prompt by prompt, each kvopt contender
-replaying one shared prefill). Then decode tok/s at 8k for the 2-bit methods, interleaved and
+(:func:`kvopt.eval.runner.run_eval`; contenders interleaved prompt by prompt, each replaying one shared
+prefill, HF's quantized cache too). Then decode tok/s at 8k for the 2-bit methods, interleaved and
 repeated (median kept). Bytes per token come from the memory calculator at 4,096 tokens for an
 fp16 cache (what ``kvopt memory --method`` prints) next to the bytes the runs really held (peak over
 each 4k prompt, question and answer included, as a share of full's; the model runs in fp32). Per-model

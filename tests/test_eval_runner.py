@@ -39,6 +39,29 @@ def test_full_and_hf_decode_the_same_tokens(tiny_with_tokenizer):
     assert window.compression > 0.6
 
 
+@pytest.mark.parametrize("spec", ["hf", "hf-quanto:bits=2", "kivi:bits=2"])
+def test_a_replayed_prefill_answers_as_a_direct_one(tiny_with_tokenizer, spec):
+    """HF's caches replay the shared lossless prefill too (its quantized cache quantizes after attention): the same
+    tokens and bytes as a prefill of their own; a press that hooks the forward pass refuses to replay."""
+    import importlib.util
+
+    from kvopt.eval.decoding import shared_prefill
+
+    if spec.startswith("hf-quanto") and importlib.util.find_spec("optimum.quanto") is None:
+        pytest.skip("optimum-quanto is installed with the benchmark's peers")
+    model, _ = tiny_with_tokenizer
+    context, question = list(range(100, 300)), list(range(400, 420))
+    contender = parse_contender(spec)
+    direct = run_prompt(model, contender, context, question, 8, QUERY_AGNOSTIC, set())
+    shared = shared_prefill(model, context)
+    replayed = run_prompt(model, contender, context, question, 8, QUERY_AGNOSTIC, set(), shared=shared)
+    assert replayed.token_ids == direct.token_ids
+    assert replayed.kv_bytes_peak == direct.kv_bytes_peak
+    press = parse_contender("kvpress:snapkv:ratio=0.5")
+    with pytest.raises(MethodParameterError, match="changes the prefill"):
+        press.replay_prefill(press.new_cache(model), shared.cache)
+
+
 def test_saved_contenders_answer_from_a_cache_that_went_through_the_codec(tiny_with_tokenizer):
     """``saved:<encoding>:<spec>``: prefill, save, load, then the question; raw gives exactly the unsaved tokens,
     int4 answers from really re-quantized keys (close to the saved ones, not equal)."""

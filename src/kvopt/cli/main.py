@@ -205,7 +205,7 @@ def evaluate(
     ppl_tokens: Annotated[int, typer.Option(help="tokens of real text streamed for the ppl task")] = 4096,
     ppl_chunk: Annotated[int, typer.Option(help="tokens per forward in the ppl task (1 = pure decode)")] = 1,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="format prompts with the chat template")] = True,
-    share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="kvopt methods replay one lossless prefill per prompt (same results, less time)")] = True,
+    share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="kvopt methods and HF caches replay one lossless prefill per prompt (same results, less time)")] = True,
     device: DeviceOption = "auto",
 ) -> None:
     """Run an accuracy grid (resumable) and write one JSONL row per sample."""

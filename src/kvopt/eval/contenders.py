@@ -46,7 +46,8 @@ class Contender:
     method_name: str
     ratio: float | None = None
     options: dict = field(default_factory=dict)
-    #: False when the contender's prefill differs from a lossless one (FastKV), so it cannot replay a shared one.
+    #: False when the contender's prefill differs from a lossless one (FastKV, kvpress presses that hook the
+    #: forward pass), so it cannot replay a shared one.
     replays: bool = True
 
     def missing(self) -> str | None:
@@ -74,6 +75,22 @@ class Contender:
             backend = "quanto" if self.spec.startswith("hf-quanto") else "hqq"
             return QuantizedCache(backend=backend, config=model.config, nbits=self.options["bits"])
         return DynamicCache(config=model.config)
+
+    def replay_prefill(self, cache, recorded) -> None:
+        """Fill a fresh ``cache`` from a recorded lossless prefill instead of running the forward pass again.
+
+        A kvopt cache lets its methods act on the copied tokens (:meth:`KVCache.replay_prefill`). An HF cache,
+        quantized or not, receives each layer's keys and values in one ``update``, as the one-pass prefill gives
+        them: HF's quantized cache attends to the unquantized prefill and quantizes what it stores, so its
+        prefill outputs are the lossless ones and the recording stands for them.
+        """
+        if not self.replays:
+            raise MethodParameterError(f"{self.spec} changes the prefill itself; prefill its cache directly")
+        if self.family == "kvopt":
+            cache.replay_prefill(recorded)
+            return
+        for index, layer in enumerate(recorded.layers):
+            cache.update(layer.store.keys, layer.store.values, index)
 
     def compressing(self, model):
         """Context for the forward pass that may compress (a kvpress press hooks the model here)."""
@@ -156,7 +173,7 @@ def parse_contender(spec: str) -> Contender:
         ratio = float(options["ratio"])
         if not 0 < ratio < 1:
             raise MethodParameterError(f"{spec}: ratio={ratio} is outside (0, 1); it is the fraction of tokens removed")
-        return Contender(spec, "kvpress", f"kvpress:{press}", ratio, {"press": press})
+        return Contender(spec, "kvpress", f"kvpress:{press}", ratio, {"press": press}, replays=False)
     if spec.startswith("saved:"):
         from kvopt.codec import ENCODINGS
 

@@ -53,7 +53,7 @@ def forward(model, ids: list[int] | torch.Tensor, cache, start: int) -> torch.Te
 
 @dataclass
 class SharedPrefill:
-    """One lossless prefill of a prompt that every kvopt contender replays (methods act after attention)."""
+    """One lossless prefill of a prompt that every replaying contender starts from (methods act after attention)."""
 
     ids: tuple[int, ...]
     cache: object
@@ -97,17 +97,18 @@ def run_prompt(
 ) -> Outcome:
     """Prefill (compressing the context alone, or context+question), then decode greedily.
 
-    With ``shared`` (a :func:`shared_prefill` of the same prompt), a kvopt contender replays that
-    prefill instead of running its own; ``prefill_s`` then includes the shared pass's time.
+    With ``shared`` (a :func:`shared_prefill` of the same prompt), a contender that replays (kvopt's and
+    HF's caches) starts from that prefill instead of running its own; ``prefill_s`` then includes the
+    shared pass's time.
     """
     prompt = prefill_prompt(context_ids, question_ids, mode)
-    replay = shared is not None and contender.family == "kvopt"
+    replay = shared is not None and contender.replays
     if replay and shared.ids != tuple(prompt):
         raise ValueError("the shared prefill was made for another prompt")
     cache = contender.new_cache(model)
     started = time.perf_counter()
     if replay:
-        cache.replay_prefill(shared.cache)
+        contender.replay_prefill(cache, shared.cache)
         logits = shared.logits
     else:
         with contender.compressing(model):

@@ -140,7 +140,7 @@ def run_eval(
                     )
                     samples[key] = (sample, format_prompt(tokenizer, sample, grid.chat))
                 sample, (context_ids, question_ids) = samples[key]
-                replay = grid.share_prefill and contender.family == "kvopt" and contender.replays
+                replay = grid.share_prefill and contender.replays
                 if replay and shared_for != (key, row["mode"]):
                     shared = None  # free the previous prompt's recording first
                     shared = shared_prefill(model, prefill_prompt(context_ids, question_ids, row["mode"]))
