@@ -14,8 +14,8 @@ machine is shared, so the rows say so and only ratios between interleaved runs m
 
 The grid's rows are appended prompt by prompt to ``benchmarks/results/twobit/eval.jsonl`` (resumable,
 committed as they come, next to the ``plan.json`` it fills); when it finishes, ``benchmarks/results/twobit.jsonl``
-gets the raw evaluation rows, then one ``summary`` row per method and one ``decode`` row per method, and
-:func:`render` writes the BENCHMARKS.md section from it.
+gets a ``meta`` row, one ``summary`` row per method and one ``decode`` row per method, and :func:`render` writes
+the BENCHMARKS.md section from them and the grid's raw rows (kept once, in the grid's file).
 """
 
 from __future__ import annotations
@@ -142,8 +142,9 @@ def summaries(rows: list[dict], model, extras: dict[str, dict]) -> list[dict]:
 
 
 def render(rows: list[dict]) -> str:
-    """The BENCHMARKS.md section for these rows (markdown)."""
+    """The BENCHMARKS.md section for these rows (markdown); the answers come from the grid's raw rows."""
     from kvopt.eval.report import KEPT_RULE, accuracy_score, retention
+    from kvopt.eval.runner import RESULTS_FILE
 
     summary = {row["method"]: row for row in rows if row.get("kind") == "summary"}
     decode = {row["method"]: row for row in rows if row.get("kind") == "decode"}
@@ -153,11 +154,13 @@ def render(rows: list[dict]) -> str:
     full = summary.get("full")
     fp16 = full["bytes_per_token_fp16_4k"] if full else None
     model = None if meta["model"] == DEFAULT_MODEL else meta["model"]
-    path = paths_for(model)[0]
+    path, grid = paths_for(model)
+    raw = grid_rows(grid / RESULTS_FILE, list(summary))
     lines = [
         "## 2-bit KV: kvquant and aquakv (pre-RoPE keys, non-uniform levels, exact outliers, cross-layer prediction)",
         "",
-        opening("python benchmarks/twobit.py" + (f" --model {model}" if model else ""), row_dates(path), path),
+        opening("python benchmarks/twobit.py" + (f" --model {model}" if model else ""),
+                row_dates(grid / RESULTS_FILE) + row_dates(path), [path, grid / RESULTS_FILE]),
         "",
         (
             f"{meta['model']}, {', '.join(meta['tasks'])} at "
@@ -178,7 +181,7 @@ def render(rows: list[dict]) -> str:
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    scored = {spec: [r for r in rows if r.get("method") == spec and r.get("task") not in (None, "ppl")] for spec in summary}
+    scored = {spec: [r for r in raw if r["method"] == spec and r["task"] != "ppl"] for spec in summary}
     for spec, row in summary.items():
         paired = retention(scored[spec], scored.get("full", [])) if spec != "full" else None
         kept = paired.cell() if paired else "-"
@@ -207,11 +210,11 @@ def render(rows: list[dict]) -> str:
 
 
 def grid_rows(path: Path, methods: list[str]) -> list[dict]:
-    """The grid's raw rows of ``methods``, one per prompt (the first row of a prompt counts)."""
+    """The grid's raw rows of ``methods``, one per prompt (the first row of a prompt counts); none without a grid."""
     from kvopt.eval.runner import row_key
 
     rows = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         row = json.loads(line)
         if row["method"] in methods:
             rows.setdefault(row_key(row), {**row, "conditions": CONDITIONS})
@@ -250,7 +253,7 @@ def collect(model_name: str | None, rows_file: Path, work: Path) -> None:
         "decode_length": decode[0]["length"] if decode else None, "eval_s": None,
         "notes": note if min(counts.values()) < planned else "", "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    out = [meta, *rows, *summaries(rows, model, extras), *decode]
+    out = [meta, *summaries(rows, model, extras), *decode]
     rows_file.write_text("".join(json.dumps(row) + "\n" for row in out))
     print(render(out))
 
@@ -319,7 +322,7 @@ def main() -> None:
         "decode_length": decode[0]["length"] if decode else args.decode_length,
         "eval_s": round(eval_s, 1), "notes": " ".join(notes), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    out = [meta, *rows, *summaries(rows, model, extras), *[{**row, "conditions": CONDITIONS} for row in decode]]
+    out = [meta, *summaries(rows, model, extras), *[{**row, "conditions": CONDITIONS} for row in decode]]
     rows_file.write_text("".join(json.dumps(row) + "\n" for row in out))
     print(render(out))
     print(f"raw rows: {args.work / RESULTS_FILE}")
