@@ -201,12 +201,37 @@ def render(rows: list[dict]) -> str:
             f"| `{spec}` | {accuracy} | {kept} | {row['ppl'] or '-'} | {gap} | {per_token} | {ratio} | {held} | "
             f"{model_bytes} | {calibration} | {speed} |"
         )
+    lines += kept_by_length(scored)
     cells = sorted({key for row in summary.values() for key in row["cells"]})
     if cells:  # a grid cut short before its first prompt has perplexity rows only
         lines += ["", "| method | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
         for spec, row in summary.items():
             lines.append(f"| `{spec}` | " + " | ".join(f"{row['cells'].get(key, 0):.0%}" for key in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def kept_by_length(scored: dict[str, list[dict]]) -> list[str]:
+    """Each method's paired kept share per prompt length (all tasks): whether 2-bit errors grow with the context.
+    A length with fewer prompts than the others shows its count, so a cell still filling reads as such."""
+    from kvopt.eval.report import retention
+
+    lengths = sorted({row["length"] for rows in scored.values() for row in rows})
+    reference = scored.get("full", [])
+    if len(lengths) < 2 or not reference:
+        return []
+    prompts = {length: sum(row["length"] == length for row in reference) for length in lengths}
+    header = [f"kept @ {length}" + ("" if prompts[length] == max(prompts.values()) else f" ({prompts[length]} prompts)")
+              for length in lengths]  # fmt: skip
+    lines = ["", "| method | " + " | ".join(header) + " |", "|---|" + "---:|" * len(lengths)]
+    for spec, rows in scored.items():
+        if spec == "full":
+            continue
+        cells = []
+        for length in lengths:
+            paired = retention([r for r in rows if r["length"] == length], [r for r in reference if r["length"] == length])
+            cells.append(paired.cell() if paired else "-")
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def grid_rows(path: Path, methods: list[str]) -> list[dict]:
