@@ -43,15 +43,13 @@ def test_full_and_hf_decode_the_same_tokens(tiny_with_tokenizer):
 def test_a_replayed_prefill_answers_as_a_direct_one(tiny_with_tokenizer, spec):
     """HF's caches replay the shared lossless prefill too (its quantized cache quantizes after attention): the same
     tokens and bytes as a prefill of their own; a press that hooks the forward pass refuses to replay."""
-    import importlib.util
-
     from kvopt.eval.decoding import shared_prefill
 
-    if spec.startswith("hf-quanto") and importlib.util.find_spec("optimum.quanto") is None:
-        pytest.skip("optimum-quanto is installed with the benchmark's peers")
+    contender = parse_contender(spec)
+    if contender.missing():
+        pytest.skip(contender.missing())
     model, _ = tiny_with_tokenizer
     context, question = list(range(100, 300)), list(range(400, 420))
-    contender = parse_contender(spec)
     direct = run_prompt(model, contender, context, question, 8, QUERY_AGNOSTIC, set())
     shared = shared_prefill(model, context)
     replayed = run_prompt(model, contender, context, question, 8, QUERY_AGNOSTIC, set(), shared=shared)

@@ -52,11 +52,11 @@ class Contender:
 
     def missing(self) -> str | None:
         """Why this contender cannot run here (with the install command), or None."""
-        if self.family == "kvpress" and importlib.util.find_spec("kvpress") is None:
+        if self.family == "kvpress" and not _installed("kvpress"):
             return f"{self.spec}: kvpress is not installed; {COMPARE_HINT}"
-        if self.spec.startswith("hf-quanto") and importlib.util.find_spec("optimum.quanto") is None:
+        if self.spec.startswith("hf-quanto") and not _installed("optimum.quanto"):
             return f"{self.spec}: optimum-quanto is not installed; {COMPARE_HINT}"
-        if self.spec.startswith("hf-hqq") and importlib.util.find_spec("hqq") is None:
+        if self.spec.startswith("hf-hqq") and not _installed("hqq"):
             return f"{self.spec}: hqq is not installed; pip install hqq"
         return None
 
@@ -133,6 +133,14 @@ class Contender:
             for value in vars(layer).values():
                 total += _tensor_bytes(value)
         return total
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported; a dotted name whose parent package is absent is not (find_spec raises)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _tensor_bytes(value) -> int:
