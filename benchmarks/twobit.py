@@ -21,7 +21,6 @@ the BENCHMARKS.md section from them and the grid's raw rows (kept once, in the g
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
@@ -49,9 +48,7 @@ CONDITIONS = "1 thread, on a 2-core machine shared with other jobs (contention)"
 
 
 def missing(spec: str) -> str | None:
-    """Why a contender cannot run here (``Contender.missing`` raises when optimum itself is absent)."""
-    if spec.startswith("hf-quanto") and importlib.util.find_spec("optimum") is None:
-        return f"{spec}: optimum-quanto is not installed in .venv"
+    """Why a contender cannot run here: a method this checkout lacks, or a peer not installed."""
     if spec.split(":")[0] not in {m.name for m in available()} and not spec.startswith(("hf", "kvpress")):
         return f"{spec}: no such method in this checkout"
     return parse_contender(spec).missing()
