@@ -58,8 +58,8 @@ HEADLINES = {
                 "(120 prompts), perplexity +1.3% and +9.6%", "Qwen2.5-Coder-0.5B", TWO_BIT),
     "aquakv": ("2-bit, prose needles included: 99% [95–100] of `full`'s answers kept on Qwen2.5-Coder-0.5B at 4k, "
                "98% [93–99] at 8k (120 prompts each; `kvquant` 2-bit 95% / 93%, `kivi` 2-bit 91% / 87%, HF quanto 0%), "
-               "85% [79–90] on SmolLM2-135M at "
-               "2k/4k (240 prompts; `kvquant` 52%, `kivi` 35%), in 0.186x fp16 bytes", "both models", TWO_BIT),
+               "85% [79–90] on SmolLM2-135M at 2k/4k (240 prompts; `kvquant` 52%, `kivi` 35%), in 0.186x fp16 bytes",
+               "both models", TWO_BIT),
     "tokenquant": ("4-bit: 0.141x `full`'s fp32 bytes", "SmolLM2-135M", BYTES),
     "mixedkv": ("83% [52–96] of `full`'s answers kept (query-agnostic)", "SmolLM2-135M", SHARE),
     "minikv": ("2 bits, the most sensitive quarter of layers at 4, prose needles included: 100% [96–100] of `full`'s "

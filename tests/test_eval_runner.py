@@ -46,8 +46,8 @@ def test_a_replayed_prefill_answers_as_a_direct_one(tiny_with_tokenizer, spec):
     from kvopt.eval.decoding import shared_prefill
 
     contender = parse_contender(spec)
-    if contender.missing():
-        pytest.skip(contender.missing())
+    if reason := contender.missing():
+        pytest.skip(reason)
     model, _ = tiny_with_tokenizer
     context, question = list(range(100, 300)), list(range(400, 420))
     direct = run_prompt(model, contender, context, question, 8, QUERY_AGNOSTIC, set())
