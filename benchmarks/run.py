@@ -290,8 +290,9 @@ def main() -> None:
     if "precision" in steps:  # bf16 against fp32 on the same prompts, both models' rows in one file (results/precision.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "precision.py"), *(["--model", args.model] if second else [])],
                        check=True)  # fmt: skip
-    if second:
-        (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model}))
+    if second:  # its config too: the report is recomposed on machines without the second model's wheels
+        config = load_config(resolve_model_dir(args.model)).to_dict()
+        (args.results / MODEL_FILE).write_text(json.dumps({"model": args.model, "config": config}, default=str))
     compose(with_model_defaults(parser.parse_args([])) if second else args)
 
 
@@ -465,7 +466,7 @@ def memory_section(results: Path, model: str | None = None) -> list[str]:
     from kvopt.models.info import ModelInfo
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    info = ModelInfo.from_config(load_config(resolve_model_dir(model)))
+    info = ModelInfo.from_config(rows_model_config(results, model))
     grouped: dict[tuple[int, str], list[dict]] = {}
     for row in rows:
         grouped.setdefault((row["length"], row["method"]), []).append(row)
@@ -713,6 +714,16 @@ def model_report(results: Path, plots: Path, model: str | None = None) -> str:
 
 MODEL_FILE = "model.json"
 SUMMARY = both_models.SUMMARY
+
+
+def rows_model_config(results: Path, model: str | None) -> transformers.PretrainedConfig:
+    """The config of the model whose rows lie in ``results``: the copy its run kept there (a second model's wheels
+    need not be installed to recompose the report), else the installed model's."""
+    kept = results / MODEL_FILE
+    entry = json.loads(kept.read_text()) if kept.exists() else {}
+    if "config" in entry:
+        return transformers.AutoConfig.for_model(**entry["config"])
+    return load_config(resolve_model_dir(model))
 
 
 def second_models() -> list[tuple[str, Path]]:

@@ -20,7 +20,7 @@ from kvopt.errors import KVOptError
 from kvopt.models import cpu_features
 from kvopt.models.cpu_features import check_model_dtype, model_dtype
 from kvopt.models.loading import load_pretrained
-from kvopt.models.packed_linear import pack_linears
+from kvopt.models.packed_linear import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -52,21 +52,31 @@ def test_auto_keeps_the_checkpoint_dtype_on_an_accelerator(flags):
     assert model_dtype(None, CPU) is None  # the default: the checkpoint's dtype, as before
 
 
-def test_flags_are_read_from_cpuinfo(tmp_path, monkeypatch):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
-                       "processor\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")  # fmt: skip
-    monkeypatch.setattr(cpu_features, "CPUINFO", cpuinfo)
+def test_flags_are_torchs_reading_of_the_cpu(monkeypatch):
+    found = {"avx2": True, "avx512_bf16": True, "amx_tile": False, "num_sockets": 1, "cpu_name": "AMD EPYC"}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: found)
     cpu_features.cpu_flags.cache_clear()
     try:
-        assert cpu_features.cpu_flags() == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+        assert cpu_features.cpu_flags() == {"avx2", "avx512_bf16"}  # flags only: no counts, no names
         assert cpu_features.native_on_cpu(torch.bfloat16) and not cpu_features.native_on_cpu(torch.float16)
-        monkeypatch.setattr(cpu_features, "CPUINFO", tmp_path / "missing")
+        monkeypatch.delattr(torch.cpu, "get_capabilities")
         cpu_features.cpu_flags.cache_clear()
-        assert cpu_features.cpu_flags() == frozenset()  # no /proc/cpuinfo (macOS): nothing native but fp32
+        assert cpu_features.cpu_flags() == frozenset()  # a torch that cannot tell: nothing native but fp32
         assert not cpu_features.native_on_cpu(torch.bfloat16) and cpu_features.native_on_cpu(torch.float32)
     finally:
         cpu_features.cpu_flags.cache_clear()
+
+
+@pytest.fixture
+def onednn_without_bf16(monkeypatch):
+    """A CPU with bf16 flags whose oneDNN cannot run bf16 kernels (AVX2 EPYC faking the flags): any packing fails."""
+    import kvopt.models.packed_linear as packed_linear
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(packed_linear, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(packed_linear, "_REORDER", refuse)
 
 
 def test_an_emulated_dtype_is_honoured_with_one_warning(flags):
@@ -90,16 +100,21 @@ def test_bad_dtypes_fail_in_one_line(name, message):
     assert "\n" not in str(error.value)
 
 
-def test_load_model_auto_follows_the_flags(model_folder, flags):
+def test_load_model_auto_follows_the_flags(model_folder, flags, onednn_without_bf16):
+    """Faked flags on a CPU whose oneDNN has no bf16 kernels (an AVX2 EPYC): ``auto`` follows the flags, and nothing
+    asks oneDNN for a kernel it lacks (the weights stay in the plain layout)."""
     flags(ZEN4)
     model, _ = load_pretrained(model_folder, dtype="auto")
-    assert model.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16 and not any(isinstance(m, PackedLinear) for m in model.modules())
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
     flags(AVX2_ONLY)
     model, _ = load_pretrained(model_folder, dtype="auto")
     assert model.dtype == torch.float32
 
 
-def test_batch_dtype_reaches_the_model_and_the_pool(model_folder, tmp_path, monkeypatch, capsys, flags):
+def test_batch_dtype_reaches_the_model_and_the_pool(model_folder, tmp_path, monkeypatch, capsys, flags,
+                                                    onednn_without_bf16):
     """``kvopt batch --dtype auto`` on a bf16 CPU: bf16 weights and a bf16 KV pool."""
     import kvopt.engine
 

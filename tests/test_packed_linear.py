@@ -62,6 +62,14 @@ def test_only_bf16_on_a_cpu_with_bf16_arithmetic_is_packed(monkeypatch):
     assert pack_linears(tiny_model("llama", dtype=torch.bfloat16)) == 0  # emulated bf16 gains nothing
 
 
+def test_flags_without_onednn_bf16_kernels_pack_nothing(monkeypatch):
+    """bf16 flags but a oneDNN that refuses bf16 kernels (what a test faking the flags meets on an AVX2 CPU)."""
+    import kvopt.models.packed_linear as packed_linear
+
+    monkeypatch.setattr(packed_linear, "onednn_runs_bf16", lambda: False)
+    assert pack_linears(tiny_model("llama", dtype=torch.bfloat16)) == 0
+
+
 def test_a_changed_weight_is_repacked_and_a_moved_one_runs_plain():
     layer = torch.nn.Linear(8, 16).bfloat16()
     pack_linears(layer)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvopt.cache.quant import workspace
+from kvopt.models.cpu_features import native_on_cpu
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,8 +38,7 @@ def product_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu":
-        probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-        return torch.bfloat16 if any(probe is not None and probe() for probe in probes) else torch.float32
+        return torch.bfloat16 if native_on_cpu(torch.bfloat16) else torch.float32
     return torch.float32
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+
+import torch
 
 from kvopt.engine import sessions
 from kvopt.engine.config import EngineConfig, EngineConfigError
@@ -58,6 +61,9 @@ class LLM:
             from kvopt.api import load_model
 
             model, tokenizer = load_model(model, dtype=dtype, device=device)
+        elif not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+            raise EngineConfigError(f"model={model!r} is not a model; give a name or path (e.g. 'qwen2.5-coder-0.5b' "
+                                    "or a Hugging Face model folder), or a loaded Hugging Face causal LM")  # fmt: skip
         elif dtype is not None:  # a loaded model runs in its own dtype: silently ignoring the setting would mislead
             raise EngineConfigError(f"dtype={dtype!r} applies to a model loaded by name; convert a loaded model "
                                     "itself (model.to(torch.bfloat16)) or pass its name or path")  # fmt: skip
@@ -83,11 +89,8 @@ class LLM:
         """Generate for every prompt (text or token ids); outputs in the prompts' order."""
         prompts = _prompt_list(prompts)
         params = _params_for(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise RequestSchemaError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt",
-                                     "priority")  # fmt: skip
+        priorities = [0] * len(prompts) if priority is None else _priorities(priority, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
-        priorities = priority or [0] * len(prompts)
         finished = dict(self._finishing(list(zip(ids, prompts, params, priorities)), use_tqdm))
         return [finished[request_id] for request_id in ids]
 
@@ -294,6 +297,20 @@ def _params_for(sampling_params: object, count: int) -> list[SamplingParams | No
             raise RequestSchemaError(f"sampling_params must be kvopt.SamplingParams (or a list of them), not "
                                      f"{type(param).__name__}", "sampling_params")  # fmt: skip
     return params
+
+
+def _priorities(priority: Sequence[int], count: int) -> list[int]:
+    """One integer per prompt (lower runs first under ``policy="priority"``), or one line naming the fix: a string,
+    a float such as NaN or a bool would sort silently, or not at all."""
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise RequestSchemaError(f"priority must be a list of integers, one per prompt; got {priority!r}", "priority")
+    if len(priority) != count:
+        raise RequestSchemaError(f"got {len(priority)} priorities for {count} prompts; give one per prompt", "priority")
+    for index, value in enumerate(priority):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise RequestSchemaError(f"priority[{index}] is {value!r}; give an integer (lower runs first), e.g. 0",
+                                     "priority")  # fmt: skip
+    return [int(value) for value in priority]
 
 
 def _check_context(max_model_len: int | None, model) -> None:

@@ -7,14 +7,16 @@ fp32's time in bf16, one decode step 1.3x, its MLP matmuls 11-67x (1 to 512 rows
 bf16 matmuls of the MLP's shape took 0.39x fp32's time at 512 rows and 0.53x at 8, but 1.49x at 1 row and 1.29x
 at 64: a per-op choice needs measuring there. So ``auto`` picks bf16 on a CPU with the flags and fp32 on any
 other, and keeps the checkpoint's dtype on an accelerator (kvopt's behaviour there before ``auto`` existed).
-Flags are read once from ``/proc/cpuinfo`` (Linux); where it is absent no flag is known and ``auto`` is fp32.
+Flags are torch's own reading of the CPU (``torch.cpu.get_capabilities()``, the cpuinfo library it ships: the
+same answer on Linux, macOS and Windows); where torch knows none, ``auto`` is fp32. Whether oneDNN's bf16 kernels
+(the packed linears) run is a separate question, asked of oneDNN itself (:func:`onednn_runs_bf16`): a CPU can
+have one without the other, and a test that pretends to have the flags must not execute a kernel the CPU lacks.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -22,28 +24,30 @@ from kvopt.errors import KVOptError
 from kvopt.models.info import parse_dtype
 
 AUTO = "auto"
-#: CPU flags that mean native arithmetic in a dtype (any one suffices), as Linux names them in /proc/cpuinfo.
+#: CPU flags that mean native arithmetic in a dtype (any one suffices), as torch (and Linux) name them.
 NATIVE_FLAGS = {
     torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
     torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
 }
 #: Dtypes a model's weights can run in (float8 is a KV storage dtype: no CPU or torch matmul runs a model in it).
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CPUINFO = Path("/proc/cpuinfo")
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 ``flags`` or Arm ``Features`` of the first processor); empty where unknown."""
-    try:
-        text = CPUINFO.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    """The CPU's feature flags as torch reads them (``avx2``, ``avx512_bf16``, ``amx_tile``, ...); empty where torch
+    knows none (an older torch, an unknown architecture)."""
+    probe = getattr(torch.cpu, "get_capabilities", None)
+    capabilities = probe() if probe is not None else {}
+    return frozenset(name for name, value in capabilities.items() if value is True)
+
+
+@functools.cache
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN's bf16 kernels run on this CPU (it asks for avx512bw/vl/dq or avx_ne_convert, not for
+    ``avx512_bf16``): oneDNN's own answer, never the flags, so pretending to have the flags runs nothing it lacks."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and torch.backends.mkldnn.is_available() and probe())
 
 
 def native_on_cpu(dtype: torch.dtype) -> bool:

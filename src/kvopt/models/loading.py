@@ -298,7 +298,7 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
         hf_logging.enable_progress_bar()
     if device is not None:
         model.to(device)
-    model.eval()
+    model.eval().requires_grad_(False)  # inference only: a forward outside torch.no_grad() keeps no autograd state
     pack_linears(model)
     return model, tokenizer
 

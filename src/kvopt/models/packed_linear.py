@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kvopt.models.cpu_features import native_on_cpu
+from kvopt.models.cpu_features import native_on_cpu, onednn_runs_bf16
 
 #: oneDNN's weight packing and packed linear (private ops, as ``torch.compile`` uses them): absent -> nothing packs.
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -67,14 +67,13 @@ class PackedLinear(torch.nn.Linear):
 
 
 def packing_serves(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s linears would be packed: bf16 weights on a CPU that computes bf16, oneDNN present, and
-    not switched off (``KVOPT_PACK_LINEARS=0``)."""
+    """Whether ``model``'s linears would be packed: bf16 weights on a CPU that computes bf16 and whose oneDNN runs
+    its bf16 kernels, and not switched off (``KVOPT_PACK_LINEARS=0``)."""
     parameter = next(model.parameters(), None)
     return (
         os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
         and parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
-        and native_on_cpu(torch.bfloat16) and _REORDER is not None and _PACKED_LINEAR is not None
-        and torch.backends.mkldnn.is_available()
+        and native_on_cpu(torch.bfloat16) and onednn_runs_bf16() and _REORDER is not None and _PACKED_LINEAR is not None
     )  # fmt: skip
 
 
