@@ -165,6 +165,15 @@ def wait_healthy(url: str, process: subprocess.Popen, log, timeout: float) -> st
     return f"no healthy /health within {timeout:.0f} s"
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """Ask the server to stop (SIGTERM: open requests get their shutdown time), kill it after a minute."""
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def exit_reason(process: subprocess.Popen, log) -> str:
     log.seek(0)
     lines = [line.strip() for line in log.read().splitlines() if line.strip()]
@@ -215,11 +224,7 @@ def measure(system: str, model_dir: Path, prompts: list[str], args) -> dict:
             died = exit_reason(process, log) if process.poll() is not None else None
             after = 0 if died else tree_rss(server)
         finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process)
     completed = [r for r in results if "times" in r]
     ttft = [r["times"][0] - r["sent"] for r in completed if r["times"]]
     itl = [later - earlier for r in completed for earlier, later in zip(r["times"], r["times"][1:])]

@@ -7,7 +7,8 @@
 Steps: load time (cold conversion vs warm), speed/memory bench (median of repeats, ratios to
 plain HF generation), the accuracy grid (resumable: benchmarks/results/eval.jsonl is reused),
 streaming perplexity, the serving engine next to HF (benchmarks/serving.py), `kvopt serve` under
-load (benchmarks/load.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
+load (benchmarks/load.py), chat users beside long documents under step budgets and latency targets
+(benchmarks/stallfree.py), the cache codec (benchmarks/codec.py), the KV tiers (benchmarks/tiers.py),
 speculative decoding (benchmarks/speculative.py), the 2025 methods (benchmarks/frontier.py), 2-bit KV
 (benchmarks/twobit.py; where it loses a prose needle: benchmarks/twobit_layers.py), llama.cpp as a peer (benchmarks/llamacpp.py, where it is installed), a decode step
 against this CPU's limits (benchmarks/decode_profile.py), routers across engine replicas on a local Ray cluster
@@ -47,6 +48,7 @@ import llamacpp
 import load
 import serving
 import speculative
+import stallfree
 import tiers
 import torch
 import twobit
@@ -96,7 +98,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Every step the default model runs; a second model runs the model-dependent ones (no engine, server, tiers...).
 ALL_STEPS = (
     "load,lossless,agnostic,retention,ppl,check,quant-ppl,memory,bench,speed,aware,engine,serve,codec,tiers,speculative,"
-    "frontier,twobit,llamacpp,profile,cluster,blend,conversations,precision"
+    "frontier,twobit,llamacpp,profile,cluster,blend,conversations,precision,stallfree"
 )
 SECOND_MODEL_STEPS = (
     "lossless,agnostic,long,retention,aware,ppl,quant-ppl,check,memory,speed,twobit,blend,conversations,precision"
@@ -254,6 +256,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py")], check=True)
     if "serve" in steps:  # `kvopt serve` under load, its own rows (benchmarks/results/load.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load.py")], check=True)
+    if "stallfree" in steps:  # chat beside documents, step budgets and targets (benchmarks/results/stallfree.jsonl)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stallfree.py")], check=True)
     if "codec" in steps:  # bytes per token and perplexity gap per cache encoding (benchmarks/results/codec.jsonl)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py")], check=True)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--accuracy"], check=True)
@@ -552,6 +556,7 @@ def composed(args, plots: Path, previous: str) -> str:
     report = model_report(args.results, plots)
     seconds = second_models()
     extra = ["", *check_section(args.results), *memory_section(args.results), *serving.section(), *load.section(),
+             *committed_section(stallfree),
              *committed_section(codec), *committed_section(tiers), *committed_section(speculative),
              *committed_section(frontier), *committed_section(twobit), *committed_section(twobit_layers),
              *committed_section(llamacpp),

@@ -34,3 +34,34 @@ SpeculateMaxBatchOption = Annotated[
     typer.Option(min=1, help="draft only while at most this many sequences run; default: 2 on a CPU (where larger "
                              "batches are compute-bound), any number on a GPU"),
 ]  # fmt: skip
+
+MaxNumBatchedTokensOption = Annotated[
+    int,
+    typer.Option(min=1, help="tokens one forward pass computes at most (decodes plus prompt chunks); more uses the "
+                             "CPU's matrix units better, fewer keeps steps short"),
+]  # fmt: skip
+
+LongPrefillTokenThresholdOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="a prompt longer than this is computed in chunks of at most this many tokens per step "
+                             "(shorter steps for decoding users, more steps per prompt); default: no such cap"),
+]  # fmt: skip
+
+MaxNumPartialPrefillsOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="prompts part-way through their prefill at once at most (1: one prompt's first token "
+                             "sooner, the others wait); default: as many as the token budget reaches"),
+]  # fmt: skip
+
+
+ItlTargetOption = Annotated[
+    str,
+    typer.Option(help="inter-token latency to keep while sequences decode, in ms: each step's prompt tokens are sized "
+                      "so that the step, predicted from the steps just measured, stays within it; auto: 4x one "
+                      "sequence's decode step measured at start-up; off: no target"),
+]  # fmt: skip
+
+
+def itl_target(value: str) -> str | None:
+    """``--itl-target-ms`` as the engine takes it (``off``: None; a number or ``auto`` is checked by the config)."""
+    return None if value.strip().lower() == "off" else value.strip()

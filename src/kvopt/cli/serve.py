@@ -10,7 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvopt.cli.options import DeviceOption, DtypeOption, EngineSpeculateOption, ModelOption, SpeculateMaxBatchOption
+from kvopt.cli.options import (
+    DeviceOption, DtypeOption, EngineSpeculateOption, ItlTargetOption, LongPrefillTokenThresholdOption,
+    MaxNumBatchedTokensOption, MaxNumPartialPrefillsOption, ModelOption, SpeculateMaxBatchOption, itl_target,
+)
 from kvopt.errors import KVOptError
 
 
@@ -25,6 +28,10 @@ def serve(
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = 16,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="sequences decoded together at most")] = 64,
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="longest prompt + output; default: the model's")] = None,
+    max_num_batched_tokens: MaxNumBatchedTokensOption = 4096,
+    long_prefill_token_threshold: LongPrefillTokenThresholdOption = None,
+    max_num_partial_prefills: MaxNumPartialPrefillsOption = None,
+    itl_target_ms: ItlTargetOption = "auto",
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
     dtype: DtypeOption = None,
     device: DeviceOption = "auto",
@@ -78,9 +85,11 @@ def serve(
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
     resolve_device(device)
     check_model_dtype(dtype)
+    steps = dict(max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+                 max_num_partial_prefills=max_num_partial_prefills, itl_target_ms=itl_target(itl_target_ms))  # fmt: skip
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
                  max_model_len=max_model_len, speculate=speculate, speculate_max_batch=speculate_max_batch,
-                 session_memory=session_memory)
+                 session_memory=session_memory, **steps)  # fmt: skip
     parse_memory(chunk_memory, torch.device("cpu"), "chunk_memory")
     check_settings(blend_ratio, blend_strategy, check_layer=blend_check_layer)  # the model's depth is checked at load
     if not chunk_caching and (blend_ratio, blend_strategy, blend_check_layer) != (0.15, "cacheblend", None):
@@ -95,7 +104,7 @@ def serve(
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
                        speculate=speculate, speculate_max_batch=speculate_max_batch, session_memory=session_memory,
                        enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory, blend_ratio=blend_ratio,
-                       blend_strategy=blend_strategy, blend_check_layer=blend_check_layer)  # fmt: skip
+                       blend_strategy=blend_strategy, blend_check_layer=blend_check_layer, **steps)  # fmt: skip
 
     def load():
         from kvopt.engine import LLM

@@ -202,6 +202,16 @@ class BlockManager:
         self.free_queue[block_id] = None
         return block_id
 
+    def forget_cached_blocks(self) -> None:
+        """Unname every free block and zero the lookup counts: what ran so far (the engine's warm-up request) leaves
+        no prefix for a later prompt to find, and no count."""
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.prefix_stats = PrefixCacheStats()
+
     def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         self.prefix_stats.queries += prompt_tokens
         self.prefix_stats.hits += hit_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -41,6 +42,18 @@ class EngineConfig:
     #: tokens each, wall time: 1024 tokens 50.2 s, 2048 50.6 s, 4096 43.1 s, 8192 65.3 s); a server
     #: wanting smooth inter-token latency under bursts of long prompts sets it lower.
     max_num_batched_tokens: int = 4096
+    #: A prompt longer than this is computed in chunks of at most this many tokens per step (vLLM's name): lower
+    #: keeps decoding sequences' steps short while long prompts arrive, at the price of more steps per prompt.
+    #: None: a prompt's chunk is bounded by ``max_num_batched_tokens`` alone.
+    long_prefill_token_threshold: int | None = None
+    #: Prompts part-way through their prefill at once at most (vLLM's name): 1 finishes one prompt before starting
+    #: the next (its first token sooner; the others wait); None: as many as the token budget reaches.
+    max_num_partial_prefills: int | None = None
+    #: Inter-token latency to keep while sequences decode, in milliseconds: each step's prompt tokens are sized so
+    #: that the step, predicted from the steps just measured, stays within it (:mod:`kvopt.engine.step_budget`);
+    #: ``"auto"``: a few times one sequence's decode step, measured when the engine starts; None: no target
+    #: (prompts take what the token budget leaves).
+    itl_target_ms: float | str | None = None
     #: Longest prompt + output; None: the model's maximum positions.
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
@@ -62,13 +75,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
-        optional = ("speculate_max_batch",)  # positive when given
+        optional = ("speculate_max_batch", "long_prefill_token_threshold", "max_num_partial_prefills")  # when given
         for name in positive + optional:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
             if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} must be a positive integer")
+        threshold, most = self.long_prefill_token_threshold, self.max_num_batched_tokens
+        if threshold is not None and threshold > most:
+            raise EngineConfigError(f"long_prefill_token_threshold={threshold} is more than max_num_batched_tokens="
+                                    f"{most}, which no step exceeds; give at most {most}, or raise "
+                                    "max_num_batched_tokens")  # fmt: skip
+        self.itl_target_ms = check_itl_target(self.itl_target_ms)
         specs = {"kv_method": "snapkv:ratio=0.5", "kv_tier_encoding": "int8", "speculate": "prompt_lookup:k=4"}
         for name, example in specs.items():
             value = getattr(self, name)
@@ -106,6 +125,23 @@ class EngineConfig:
                 f"which needs no second model or cache per sequence; {proposer.name} runs in kvopt.generate"
             )
         return proposer
+
+
+def check_itl_target(value: float | str | None) -> float | str | None:
+    """``itl_target_ms`` as None, ``"auto"`` or a positive finite number of milliseconds (a numeric string, as the
+    command line gives it, included); else one line naming the fix."""
+    if value is None or value == "auto":
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        raise EngineConfigError(f"itl_target_ms={value!r} must be a positive number of milliseconds (e.g. 250) or "
+                                "'auto' (a few times the decode step measured at start-up)")  # fmt: skip
+    return float(number)
 
 
 def _is_int(value: object) -> bool:

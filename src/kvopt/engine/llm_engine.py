@@ -12,9 +12,11 @@ name computed tokens.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from kvopt.engine.offload import KVOffload
 from kvopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvopt.engine.sampling_params import SamplingParams
 from kvopt.engine.scheduler import Drafting, Scheduler
+from kvopt.engine.step_budget import StepClock
 from kvopt.engine.sequence import Sequence
 from kvopt.codec.fingerprint import model_fingerprint
 from kvopt.errors import CacheUsageError, KVOptError
@@ -50,9 +53,14 @@ from kvopt.methods import parse
 from kvopt.methods.full import Full
 from kvopt.methods.spec import storage
 from kvopt.models.info import ModelInfo
+from kvopt.models.packed_linear import PackedLinear
 
 
 logger = logging.getLogger("kvopt.engine")
+#: The scratch request that times this machine's steps when the engine starts with a latency target.
+WARM_UP_ID = "kvopt-warm-up"
+WARM_UP_PROMPT_TOKENS = 64
+WARM_UP_DECODE_STEPS = 8
 
 
 class RequestError(KVOptError):
@@ -146,6 +154,8 @@ class LLMEngine:
         self.block_bytes = block_bytes
         self.dtype = dtype
         self._compressions: dict[str, Compression | None] = {}
+        #: The model's twin that preparations off the step run on (:meth:`preparation`), made when first needed.
+        self._twin = None
         try:
             self._compression(config.kv_method)
         except KVOptError as error:
@@ -156,7 +166,9 @@ class LLMEngine:
         if config.kv_tiers:
             self.offload = KVOffload.from_specs(config.kv_tiers, model, self.runner.pool, self.block_manager,
                                                 self.fingerprint, config.kv_tier_encoding)  # fmt: skip
-        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload, self._drafting(device))
+        clock = StepClock(None if config.itl_target_ms in (None, "auto") else config.itl_target_ms,
+                          auto=config.itl_target_ms == "auto")  # fmt: skip
+        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload, self._drafting(device), clock)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stop_token_ids = _eos_ids(model, tokenizer)
@@ -168,6 +180,8 @@ class LLMEngine:
         self._chunk_settings: dict | None = None
         self._chunk_stores: dict[str, ChunkStore] = {}
         self.conversations = Sessions(parse_memory(config.session_memory, torch.device("cpu"), "session_memory"))
+        if config.itl_target_ms is not None:
+            self._time_decode_step()
 
     def enable_chunk_caching(self, blend_ratio: float = 0.15, strategy: str = "cacheblend", epic_tokens: int = 16,
                              memory: str | int | float = "256MB", check_layer: int | None = None) -> None:  # fmt: skip
@@ -318,8 +332,34 @@ class LLMEngine:
 
     def check_kv_method(self, spec: str) -> None:
         """Raise :class:`KVOptError` (naming why) unless this engine can serve ``spec`` on its model (checked once per
-        spec: the methods' model checks and one-time preparation, e.g. a calibration)."""
+        spec: the methods' model checks and one-time preparation, e.g. a calibration; see :meth:`preparation`)."""
         self._compression(spec)
+
+    def preparation(self, spec: str) -> Callable[[], list] | None:
+        """The one-time work serving ``spec`` needs first that may take minutes (its methods' :meth:`prepare`: a
+        calibration), as a function to run on another thread while the engine steps; hand what it returns to
+        :meth:`adopt_kv_method`. None when there is none: ``spec`` is served already, lossless, quick to prepare, or
+        refused (the request's own check says why). Call it on the engine's thread.
+
+        The work runs on a twin of the model (:func:`_twin`): a calibration hooks modules (to capture keys, the final
+        hidden states), and hooks on the engine's own modules would see the engine's forward passes too."""
+        if spec in self._compressions:
+            return None
+        try:
+            methods = self._checked_methods(spec)
+        except KVOptError:
+            return None
+        if not any(method.needs_preparation() for method in methods):
+            return None
+        if self._twin is None:
+            self._twin = _twin(self.model)
+        return partial(_prepare, methods, self._twin)
+
+    def adopt_kv_method(self, spec: str, methods: list) -> None:
+        """Serve ``spec`` with the ``methods`` its :meth:`preparation` returned (on the engine's thread: preparing them
+        again on the engine's model is then quick, and attaches what they attach, e.g. locret's chunking hooks)."""
+        if spec not in self._compressions:
+            self._compressions[spec] = self._check_compression(methods)
 
     def keeps_prompt_state(self, spec: str) -> bool:
         """Whether a request of ``spec`` keeps its state after the prompt in the KV tiers (compressed sequences, where
@@ -328,17 +368,16 @@ class LLMEngine:
         return compression is not None and compression.new_kv().keeps_prompt_state
 
     def _compression(self, spec: str) -> Compression | None:
-        """The methods of ``spec``, checked for this model and the engine's blocks (None: lossless); cached per spec."""
+        """The methods of ``spec``, checked for this model, prepared on it (here, on the caller's thread, unless
+        :meth:`adopt_kv_method` handed them over prepared) and fitted to the engine's blocks (None: lossless); cached
+        per spec."""
         if spec not in self._compressions:
-            self._compressions[spec] = self._check_compression(spec)
+            self._compressions[spec] = self._check_compression(self._checked_methods(spec))
         return self._compressions[spec]
 
-    def _check_compression(self, spec: str) -> Compression | None:
-        """The table of kinds: lossless; the block layouts where the methods' tokens fit them (layer by layer,
-        at full precision or in one code format, no sliding-window layers); otherwise each sequence's own cache."""
+    def _checked_methods(self, spec: str) -> list:
+        """The methods of ``spec``, checked for this model and this engine (quick: nothing is prepared)."""
         methods = parse(spec)
-        if all(type(method) is Full for method in methods):
-            return None
         for method in methods:
             method.check_model(self.info)
             if method.needs_tokenizer and self.tokenizer is None:
@@ -346,7 +385,14 @@ class LLMEngine:
                     f"{method.name} needs the model's tokenizer, and this engine has none: pass tokenizer= to kvopt.LLM "
                     "(or load the model from a folder that has one)"
                 )
-            method.prepare(self.model, local_prose)
+        return methods
+
+    def _check_compression(self, methods: list) -> Compression | None:
+        """The table of kinds: lossless; the block layouts where the methods' tokens fit them (layer by layer,
+        at full precision or in one code format, no sliding-window layers); otherwise each sequence's own cache."""
+        if all(type(method) is Full for method in methods):
+            return None
+        _prepare(methods, self.model)
         block_size = self.config.block_size
         fits_blocks = all(method.runs_in_engine for method in methods) and all(
             window is None for window in self.info.sliding_windows
@@ -382,6 +428,36 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         self._count_finished("abort")
         self._failed.append(self._output(request))
+
+    def _time_decode_step(self) -> None:
+        """With a latency target: a short scratch request run through the engine as the first, so the step-time model
+        starts from this machine's own prompt and decode steps and ``auto`` sets the target from one sequence's
+        decode step. It leaves nothing behind: its blocks are freed uncached, no KV tier sees it, counts restart."""
+        clock, offload = self.scheduler.clock, self.scheduler.offload
+        vocab = self.model.config.get_text_config().vocab_size
+        prompt = [index % vocab for index in range(WARM_UP_PROMPT_TOKENS)]
+        self.scheduler.offload = None
+        try:
+            self.add_request(WARM_UP_ID, prompt, SamplingParams(max_tokens=WARM_UP_DECODE_STEPS + 1, ignore_eos=True))
+            decodes = []
+            while self.has_unfinished_requests():
+                started = time.perf_counter()
+                prompt_step = any(seq.num_uncomputed_tokens > 1 for seq in self.scheduler.waiting)
+                self.step()
+                if not prompt_step:
+                    decodes.append(time.perf_counter() - started)
+        finally:
+            self.scheduler.offload = offload
+        self.block_manager.forget_cached_blocks()
+        self.stats = EngineStats()
+        step = statistics.median(decodes)
+        if clock.auto:
+            clock.set_auto_target(step)
+        elif clock.target < step:
+            warnings.warn(f"kvopt: itl_target_ms={clock.target * 1000:g} is below one decode step of this engine "
+                          f"({step * 1000:.1f} ms measured at start-up): every step will miss it, and prompts get the "
+                          f"smallest budget; give at least {step * 1000:.0f} ms, or auto", UserWarning, stacklevel=2)  # fmt: skip
+        clock.missed = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._failed)
@@ -461,7 +537,9 @@ class LLMEngine:
             self.block_manager.release(seq.kv.commit(seq, drafts, accepted.get(seq.seq_id, 0), self.config.block_size))
             if seq.kv.shares_blocks:
                 self.block_manager.cache_full_blocks(seq)
-        self.stats.busy_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.busy_seconds += seconds
+        self.scheduler.clock.observe(self.scheduler.budget, seconds)
         return list(zip(sampling, rows, emitted))
 
     def _sample(self, logits: torch.Tensor, rows: tuple[torch.Tensor, ...], seqs: list[Sequence]) -> list[list[int]]:
@@ -573,6 +651,7 @@ class LLMEngine:
     def metrics(self) -> dict:
         """A snapshot with Prometheus-style names (see :mod:`kvopt.engine.metrics`)."""
         manager, scheduler, stats = self.block_manager, self.scheduler, self.stats
+        clock = scheduler.clock
         allocated, used = self.slot_usage()
         return {
             "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,
@@ -602,6 +681,10 @@ class LLMEngine:
             "spec_decode_num_drafts_total": stats.speculation.drafts,
             "spec_decode_num_draft_tokens_total": stats.speculation.draft_tokens,
             "spec_decode_num_accepted_tokens_total": stats.speculation.accepted_tokens,
+            "step_itl_target_seconds": clock.target or 0.0,
+            "step_prefill_budget_tokens": clock.prompt_budget,
+            "step_target_missed_total": clock.missed,
+            "step_time_predicted_over_measured": clock.prediction_ratio.snapshot(),
             "kv_tiers": self.offload.metrics() if self.offload is not None else {},
         }
 
@@ -627,6 +710,25 @@ class LLMEngine:
             max(0, seq.num_computed_tokens * token_bytes - seq.kv.nbytes(seq, self.block_bytes))
             for seq in self.scheduler.running
         )
+
+
+def _prepare(methods: list, model) -> list:
+    """``methods`` after their one-time preparation on ``model`` (a calibration calibrates on local prose)."""
+    for method in methods:
+        method.prepare(model, local_prose)
+    return methods
+
+
+def _twin(model):
+    """A copy of ``model``'s modules around its own weights and buffers (no second copy of them, nor of the packed
+    weights :mod:`kvopt.models.packed_linear` reads), so a forward on it computes what the model computes while
+    the hooks added to its modules reach no forward of the model's."""
+    shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
+    twin = copy.deepcopy(model, shared)
+    for module, copied in zip(model.modules(), twin.modules()):
+        if isinstance(module, PackedLinear):  # copies leave the packed weight out, to pack it again on first use
+            copied.packed, copied.packed_from = module.packed, module.packed_from
+    return twin
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -16,6 +16,11 @@ the KV tiers gets blocks for that state and computes nothing (its first token is
 stored logits). With ``speculate``, a decoding lossless sequence carries the tokens its proposer drafts
 after its newest one, computed in the same step: drafts take only the token budget and the free blocks that
 every scheduled sequence left, so they never delay a sequence or cause a preemption.
+
+Every step is stall-free (:mod:`kvopt.engine.step_budget`): each decoding sequence's token is counted before any
+prompt's, so a long prompt ahead of it in rank never takes its turn; prompts' chunks then share what is left, at
+most ``long_prefill_token_threshold`` tokens each, at most ``max_num_partial_prefills`` prompts part-way through,
+and with ``itl_target_ms`` no more than the target leaves room for while sequences decode.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvopt.engine.config import EngineConfig
 from kvopt.engine.kv.base import StoredPrompt
 from kvopt.engine.offload import KVOffload
 from kvopt.engine.sequence import Sequence, SequenceStatus
+from kvopt.engine.step_budget import MIN_PREFILL_CHUNK, StepBudget, StepClock
 from kvopt.speculative.control import DraftPace
 from kvopt.speculative.lookup import PromptLookup
 
@@ -112,8 +118,13 @@ class Drafting:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: Swapper | None = None,
-                 offload: KVOffload | None = None, drafting: Drafting | None = None) -> None:  # fmt: skip
+                 offload: KVOffload | None = None, drafting: Drafting | None = None,
+                 clock: StepClock | None = None) -> None:  # fmt: skip
         self.config = config
+        #: Step times and the latency target the prompt budget is sized for.
+        self.clock = clock or StepClock(None, auto=False)
+        #: The budget of the step :meth:`schedule` made last (the engine reports its measured time against it).
+        self.budget: StepBudget | None = None
         #: Speculative decoding (None: one token per step).
         self.drafting = drafting
         self.block_manager = block_manager
@@ -145,39 +156,62 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
-        preempted = self._schedule_running(batch, budget)
-        budget -= batch.total_tokens
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        budget = self.clock.budget(self.config.max_num_batched_tokens, bool(decoding),
+                                   self.config.long_prefill_token_threshold)  # fmt: skip
+        counted = set()
+        for seq in decoding[: budget.spare_tokens]:  # counted before any prompt's chunk: never behind a prompt
+            budget.take(seq.num_stored_tokens, 1, prompt=False)
+            counted.add(seq.seq_id)
+        budget.opening_room = budget.room(0, MIN_PREFILL_CHUNK)
+        self.budget = budget
+        # Under a latency target a waiting prompt goes before the next chunk of a prompt part-way through: a chat
+        # user's question does not queue behind a long document's chunks (each still gets its minimum).
+        deferred = budget.target is not None
+        preempted = self._schedule_running(batch, budget, counted, deferred)
         if not preempted:
             self._swap_in()
             if not self.swapped:  # swapped sequences return before new ones take the blocks they wait for
                 self._admit_waiting(batch, budget)
+        if deferred:
+            self._continue_prompts(batch, budget)
         if self.drafting is not None:
-            self._add_drafts(batch, preempted)
+            self._add_drafts(batch, budget, preempted)
         return batch
 
-    def _add_drafts(self, batch: ScheduledBatch, preempted: bool) -> None:
+    def _add_drafts(self, batch: ScheduledBatch, budget: StepBudget, preempted: bool) -> None:
         """Speculative decoding: drafts for the batch's decoding sequences, from the token budget and the free
         blocks that every scheduled token has left (a draft never takes a sequence's turn or blocks from it); none
-        in a step that preempted (the blocks a victim freed are for the sequences it made way for)."""
-        budget = 0 if preempted else self.config.max_num_batched_tokens - batch.total_tokens
+        in a step that preempted (the blocks a victim freed are for the sequences it made way for). A verify step
+        counts its drafts at their cost, so a latency target holds with them too."""
         for index, seq in enumerate(batch.seqs):
             seq.draft_token_ids = []
-            if budget < 1:
+            room = 0 if preempted else budget.room(len(seq))
+            if room < 1:
                 continue
-            drafts = self.drafting.drafts(seq, budget + 1, len(self.running))
+            drafts = self.drafting.drafts(seq, room + 1, len(self.running))
             if drafts and self.block_manager.allocate_slots(seq, batch.num_tokens[index] + len(drafts)):
                 seq.draft_token_ids = drafts
                 batch.num_tokens[index] += len(drafts)
-                budget -= len(drafts)
+                budget.take(seq.num_stored_tokens, len(drafts), prompt=False)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
-        """Give running sequences their next tokens, preempting from the back when blocks run out."""
+    def _schedule_running(self, batch: ScheduledBatch, budget: StepBudget, counted: set[int], defer: bool) -> bool:
+        """Give running sequences their next tokens (a decode the token the budget ``counted`` for it, a prompt
+        part-way the chunk the budget grants, unless ``defer``-red to :meth:`_continue_prompts`), preempting from
+        the back when blocks run out."""
         self.running.sort(key=self._rank)
         preempted, index = False, 0
-        while index < len(self.running) and budget > 0 and len(batch.seqs) < self.config.max_num_seqs:
+        while index < len(self.running) and len(batch.seqs) < self.config.max_num_seqs:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_uncomputed_tokens == 1:
+                num_tokens = 1 if seq.seq_id in counted else 0  # beyond the token cap: the next step
+            else:
+                floor = 0 if defer or budget.prompt_tokens else MIN_PREFILL_CHUNK
+                num_tokens = 0 if defer else budget.grant_prompt(seq.num_computed_tokens, seq.num_uncomputed_tokens,
+                                                                 floor)  # fmt: skip
+            if num_tokens == 0:
+                index += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -186,16 +220,31 @@ class Scheduler:
                     break
             else:
                 batch.add(seq, num_tokens)
-                budget -= num_tokens
                 index += 1
         return preempted
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        manager = self.block_manager
+    def _continue_prompts(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        """The next chunks of the prompts part-way through, in rank order, after the waiting prompts were admitted;
+        the first gets at least the minimum chunk, so a long prompt always progresses. Their blocks were taken at
+        admission (a chunk that finds none waits for the next step rather than preempting)."""
+        scheduled = {seq.seq_id for seq in batch.seqs}
+        first = True
+        for seq in [seq for seq in self.running if seq.num_uncomputed_tokens > 1 and seq.seq_id not in scheduled]:
+            if len(batch.seqs) >= self.config.max_num_seqs:
+                return
+            floor = MIN_PREFILL_CHUNK if first else 0
+            num_tokens = budget.grant_prompt(seq.num_computed_tokens, seq.num_uncomputed_tokens, floor)
+            first = False
+            if num_tokens and self.block_manager.allocate_slots(seq, num_tokens):
+                batch.add(seq, num_tokens)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        manager, limit = self.block_manager, self.config.max_num_partial_prefills
         computing: set[bytes] = set()  # hashes of the full prompt blocks this step computes
         occupied = sum(seq.width for seq in self.running)  # a parallel-sampling request will run as n
+        prefilling = sum(1 for seq in self.running if seq.num_uncomputed_tokens > 1)
         admitted = False
-        while self.waiting and budget > 0:
+        while self.waiting and budget.spare_tokens > 0:
             seq = self.waiting[0]
             if occupied and occupied + seq.width > self.config.max_num_seqs:
                 break  # (a request wider than max_num_seqs runs alone)
@@ -204,6 +253,8 @@ class Scheduler:
                     break
                 occupied += seq.width
                 continue
+            if limit is not None and prefilling >= limit:
+                break  # as many prompts part-way through as allowed: the next waits for one to finish
             whole = not seq.kv.shares_blocks  # neither uses nor fills the prefix cache; its prompt runs in one pass
             hashes = manager.prompt_hashes(seq) if manager.enable_prefix_caching and not whole else []
             cached = manager.cached_prefix(seq, hashes)
@@ -211,10 +262,14 @@ class Scheduler:
                 cached += self.offload.restore(seq, hashes, len(cached))
             if len(cached) < len(hashes) and hashes[len(cached)] in computing:
                 break  # cached after this step: admitted next step, computing only what is its own
-            uncomputed = len(seq) - len(cached) * manager.block_size
-            if whole and uncomputed > budget and admitted:
+            position = len(cached) * manager.block_size
+            uncomputed = len(seq) - position
+            room = budget.room(position, 0 if admitted else MIN_PREFILL_CHUNK)
+            if whole and uncomputed > room and admitted:
                 break  # a compressed prompt runs in one pass (its methods see it whole), one beyond the budget per step
-            num_tokens = uncomputed if whole else min(uncomputed, budget)
+            num_tokens = uncomputed if whole else min(uncomputed, room)
+            if num_tokens < 1:
+                break
             # Blocks for the whole prompt at once, even when it is computed in chunks: consecutive blocks,
             # not interleaved with the chunks of the sequences admitted beside it. A compressed prompt
             # gets blocks for what its methods keep (its own tokens never reach its slots).
@@ -228,9 +283,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             occupied += seq.width
+            prefilling += num_tokens < uncomputed
             admitted = True
             batch.add(seq, num_tokens)
-            budget -= num_tokens
+            budget.take(position, num_tokens)
             computing.update(hashes[len(cached) : (seq.num_computed_tokens + num_tokens) // manager.block_size])
 
     def _stored_state(self, seq: Sequence) -> StoredPrompt | None:
@@ -306,3 +362,4 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+

@@ -19,7 +19,9 @@ token takes exactly kvquant's bytes; the predictors are per model (:meth:`AquaKV
 
 Calibration runs once per model when a cache is built, on the last ``calibration`` tokens of the
 caller's text (:func:`kvopt.api.build_cache`: local prose), and is cached under
-``$KVOPT_CACHE/aquakv/``. Reading a layer's keys needs the keys below reconstructed, so attention
+``$KVOPT_CACHE/aquakv/``: 54-115 s for the default model on one CPU thread, by the machine (a server
+runs it beside its decoding step, :meth:`kvopt.engine.LLMEngine.preparation`). Reading a layer's keys
+needs the keys below reconstructed, so attention
 rebuilds each layer's quantized keys whole (one ``[T, S * D] x [S * D, H * D]`` product per layer and
 step on top of kvquant's decoding, in bf16 where the hardware has it) and keeps them until the next
 layer has read them (see :class:`~kvopt.cache.nonuniform.NonUniformKV`).

@@ -137,6 +137,11 @@ class Method:
         from (methods import nothing above themselves), and a method that needs none never calls it.
         """
 
+    def needs_preparation(self) -> bool:
+        """Whether :meth:`prepare` may still take long (a calibration, loading or training one): the serving engine
+        then runs it off its step. By default, whenever the method has a :meth:`prepare` of its own."""
+        return type(self).prepare is not Method.prepare
+
     def spec(self) -> str:
         """The spec string that rebuilds this method (parameters left at their default are omitted)."""
         params = ",".join(

@@ -117,8 +117,11 @@ class LayerBudgets(Eviction):
     def uniform_budgets(self) -> bool:  # the engine stores unequal layers in head blocks
         return self.budgets == "uniform"
 
+    def needs_preparation(self) -> bool:
+        return self.budgets == "xkv" and self.retention is None
+
     def prepare(self, model, calibration_text: Callable[[], str]) -> None:
-        if self.budgets == "xkv" and self.retention is None:
+        if self.needs_preparation():
             self.retention = load_or_measure(model, calibration_text)
 
     def targets(self, layer, step) -> torch.Tensor:

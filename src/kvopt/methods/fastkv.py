@@ -116,6 +116,7 @@ class FastKV(SnapKV):
             )
 
     def prepare(self, model, calibration_text) -> None:
+        super().prepare(model, calibration_text)  # budgets=xkv's layer sensitivity
         install(model)
 
     def selection_layer(self, layers: int) -> int:

@@ -11,7 +11,9 @@ or ``snapkv:ratio=0.75+minikv``.
 Calibration runs once per model when a cache is built (one prefill of ``calibration`` tokens of
 the text the caller supplies -- :func:`kvopt.api.build_cache` gives local prose, the evaluation's
 real text -- then one pass over its last 128 tokens per layer), and is stored under
-``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters.
+``$KVOPT_CACHE/minikv/`` keyed by the model path, its config and these parameters: 21-178 s for
+the default model on one CPU thread, by the machine (a server runs it beside its decoding step,
+:meth:`kvopt.engine.LLMEngine.preparation`).
 Deviations: MiniKV quantizes every layer to 2 bits and varies the eviction budget by layer;
 its selective flash-attention kernel is not reproduced (scores come from the eviction method).
 """

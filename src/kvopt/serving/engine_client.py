@@ -6,6 +6,11 @@ commands (add, abort, a metrics snapshot) between steps and steps while requests
 Each step's outputs go back to the event loop in one ``call_soon_threadsafe``, where they are
 put on per-request queues; handlers read them through :class:`RequestStream`. The event loop
 never calls the engine, so it stays responsive while a forward pass runs.
+
+A request whose ``kv_method`` needs a one-time preparation first (a calibration: minutes on a CPU,
+:meth:`~kvopt.engine.LLMEngine.preparation`) waits for it alone: it runs on a second thread, one
+spec at a time and each once however many requests ask for it, while the engine thread steps the
+other requests; then the request is added. The engine's own ``kv_method`` was prepared while it loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvopt.engine.requests import RequestSchemaError
@@ -32,6 +38,8 @@ logger = logging.getLogger("kvopt.serving")
 
 #: What the engine thread runs between steps: a function of the engine, and where its result goes (or None).
 Command = tuple[Callable[["LLMEngine"], Any], "concurrent.futures.Future | None"]
+#: What the preparation thread runs (:meth:`~kvopt.engine.LLMEngine.preparation`'s work), and where its result goes.
+Preparation = tuple[Callable[[], list], concurrent.futures.Future]
 
 
 class EngineUnavailableError(RuntimeError):
@@ -103,6 +111,11 @@ class EngineClient:
         self.commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: Preparations of requests' kv_methods by spec, until a request hands one to the engine (engine thread).
+        self.preparations: dict[str, concurrent.futures.Future] = {}
+        #: What the preparation thread (started when first needed) runs: ``(work, its future)``, None to stop.
+        self.to_prepare: queue.SimpleQueue[Preparation | None] = queue.SimpleQueue()
+        self.preparer: threading.Thread | None = None
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -137,6 +150,8 @@ class EngineClient:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Let the engine thread finish its current step and exit (requests still open are abandoned)."""
+        if self.preparer is not None:
+            self.to_prepare.put(None)  # a preparation under way is left to finish on its daemon thread
         if self.thread is not None and self.thread.is_alive():
             self.commands.put(None)
             self.thread.join(timeout)
@@ -151,10 +166,17 @@ class EngineClient:
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: LLMEngine, preparation: concurrent.futures.Future | None = None) -> None:
+            if stream.closed:  # its client left while its kv_method was prepared
+                return
             try:
                 if params.kv_method is not None:
-                    _check_method(engine, params.kv_method)
+                    if preparation is None:
+                        preparation = self._preparation(engine, params.kv_method)
+                    if preparation is not None and not preparation.done():  # it waits alone; the others step on
+                        preparation.add_done_callback(lambda done: self.submit(partial(add, preparation=done)))
+                        return
+                    self._check_method(engine, params.kv_method, preparation)
                 engine.add_request(request_id, prompt_token_ids, params)
             except Exception as error:  # noqa: BLE001 - refused before queueing: the stream raises it
                 self.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
@@ -163,6 +185,43 @@ class EngineClient:
 
         self.submit(add)
         return stream
+
+    def _preparation(self, engine: LLMEngine, spec: str) -> concurrent.futures.Future | None:
+        """The preparation of ``spec`` on the preparation thread, started by the first request that needs it (engine
+        thread); None when the engine serves ``spec`` without one."""
+        future = self.preparations.get(spec)
+        if future is None:
+            work = engine.preparation(spec)
+            if work is None:
+                return None
+            future = self.preparations[spec] = concurrent.futures.Future()
+            if self.preparer is None:
+                self.preparer = threading.Thread(target=self._prepare, name="kvopt-prepare", daemon=True)
+                self.preparer.start()
+            self.to_prepare.put((work, future))
+        return future
+
+    def _prepare(self) -> None:
+        """The preparation thread: one preparation at a time, while the engine thread steps."""
+        while (job := self.to_prepare.get()) is not None:
+            work, future = job
+            try:
+                future.set_result(work())
+            except BaseException as error:  # noqa: BLE001 - the requests waiting for it are refused with it
+                future.set_exception(error)
+
+    def _check_method(self, engine: LLMEngine, spec: str, preparation: concurrent.futures.Future | None) -> None:
+        """A request's own ``kv_method`` as the engine checks it on its model (``window:size`` beyond the context, a
+        ``fastkv:tsp_layer`` past the last layer, a calibration that failed), refused as that field's error
+        (``param: "kv_method"``); a finished ``preparation`` is handed to the engine first (engine thread)."""
+        try:
+            if preparation is not None:
+                if self.preparations.get(spec) is preparation:
+                    del self.preparations[spec]  # the engine keeps it once adopted; a failed one is tried anew
+                engine.adopt_kv_method(spec, preparation.result())  # raises what the preparation raised
+            engine.check_kv_method(spec)
+        except KVOptError as error:
+            raise RequestSchemaError(f"kv_method={spec!r} cannot run on this model: {error}", "kv_method") from None
 
     def submit(self, function: Callable[[LLMEngine], Any]) -> None:
         """Run ``function(engine)`` on the engine thread between steps; no result."""
@@ -267,11 +326,3 @@ class EngineClient:
         if self.on_failure is not None:
             self.on_failure(error)
 
-
-def _check_method(engine: LLMEngine, spec: str) -> None:
-    """A request's own ``kv_method`` as the engine checks it on its model (``window:size`` beyond the context, a
-    ``fastkv:tsp_layer`` past the last layer), refused as that field's error (``param: "kv_method"``)."""
-    try:
-        engine.check_kv_method(spec)  # run before the request is queued
-    except KVOptError as error:
-        raise RequestSchemaError(f"kv_method={spec!r} cannot run on this model: {error}", "kv_method") from None

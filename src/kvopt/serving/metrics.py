@@ -15,7 +15,7 @@ Every series carries vLLM's ``model_name`` label.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvopt.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from kvopt.serving.engine_client import RequestStream
@@ -30,6 +30,8 @@ GAUGES = {
     "num_requests_running": "Requests in the engine's running queue.",
     "num_requests_waiting": "Requests waiting for the engine to start them.",
     "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
+    "step_itl_target_seconds": "The inter-token latency each step is sized for while sequences decode (0: none).",
+    "step_prefill_budget_tokens": "Prompt tokens the latest step's budget left a prompt, once its decodes were in.",
 }
 #: Engine snapshot key (with ``_total``) -> help text, exported as counters.
 COUNTERS = {
@@ -41,6 +43,11 @@ COUNTERS = {
     "spec_decode_num_drafts": "Sequence steps that verified drafted tokens (speculative decoding).",
     "spec_decode_num_draft_tokens": "Tokens drafted for verification (speculative decoding).",
     "spec_decode_num_accepted_tokens": "Drafted tokens the model accepted (speculative decoding).",
+    "step_target_missed": "Steps that decoded and ran past the inter-token latency target.",
+}
+#: Engine snapshot key -> help text, exported as histograms (the snapshot's cumulative buckets, sum and count).
+HISTOGRAMS = {
+    "step_time_predicted_over_measured": "A step's time as the step-time model predicted it over its measured time.",
 }
 
 
@@ -67,6 +74,14 @@ class EngineCollector:
             family = CounterMetricFamily(PREFIX + key, doc, labels=names)
             for labels, snapshot in rows:
                 family.add_metric(labels, snapshot[f"{key}_total"])
+            yield family
+        for key, doc in HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + key, doc, labels=names)
+            for labels, snapshot in rows:
+                histogram = snapshot[key]
+                buckets = [("+Inf" if bound == float("inf") else str(bound), count)
+                           for bound, count in histogram["buckets"].items()]  # fmt: skip
+                family.add_metric(labels, buckets, histogram["sum"])
             yield family
         finished = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason "
                                        "(stop, length, abort, error).", labels=[*names, "finished_reason"])  # fmt: skip
