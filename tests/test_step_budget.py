@@ -1,8 +1,12 @@
 """Stall-free steps (issue 72): the budget arithmetic on a synthetic clock, the scheduler's use of it, the knobs'
 checks, and greedy outputs that do not depend on the budget."""
 
+import json
+import re
+
 import openai
 import pytest
+from test_batch_cli import run as run_batch
 from test_engine import NEW_TOKENS, hf_greedy, mixed_prompts
 from test_hardening_cli import run_main
 from test_server import MODEL, PROMPT, make_server, metrics  # noqa: F401 - make_server is a fixture
@@ -197,3 +201,20 @@ def test_a_question_arriving_mid_document_is_admitted_before_the_documents_next_
     after = {seq.request_id: seq.num_computed_tokens for seq in engine.scheduler.running}
     assert after["question"] == 6 and after["chat"] == computed["chat"] + 1
     assert after["document"] == computed["document"] + MIN_PREFILL_CHUNK
+
+
+def test_batch_takes_the_knobs_and_prints_the_budget_it_used(model_folder, tmp_path, monkeypatch, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"Question {index}: why?", "max_tokens": 3}) + "\n"
+                              for index in range(3)))  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    code, stderr = run_batch([str(source), "-o", str(out), "--model", str(model_folder), "--kv-memory", "8MB",
+                              "--no-metrics", "--max-num-batched-tokens", "64", "--long-prefill-token-threshold", "16",
+                              "--max-num-partial-prefills", "1", "--itl-target-ms", "auto"], monkeypatch, capsys)  # fmt: skip
+    assert code == 0, stderr
+    assert re.search(r"step budget: at most 64 tokens a step, prompt chunks of at most 16, at most 1 prompts "
+                     r"part-way through, latency target \d+ ms \(auto\)", stderr)  # fmt: skip
+    assert len(out.read_text().splitlines()) == 3
+    code, stderr = run_batch([str(source), "-o", str(out), "--model", str(model_folder), "--itl-target-ms", "-3"],
+                             monkeypatch, capsys)  # fmt: skip
+    assert code == 2 and "itl_target_ms='-3' must be a positive number" in stderr

@@ -76,6 +76,7 @@ def serve(
     from kvopt.engine import EngineConfig
     from kvopt.engine.config import parse_memory
     from kvopt.engine.offload import tier_spec
+    from kvopt.engine.requests import DEFAULT_MODEL_NAME
     from kvopt.methods import parse
     from kvopt.models.cpu_features import check_model_dtype
     from kvopt.models.device import resolve_device
@@ -114,7 +115,7 @@ def serve(
         return LLM(**engine_args).engine
 
     settings = ServerSettings(
-        served_model_name or model or "SmolLM2-135M-Instruct", api_key, max_prompt_tokens, max_output_tokens,
+        served_model_name or model or DEFAULT_MODEL_NAME, api_key, max_prompt_tokens, max_output_tokens,
         max_waiting, max_body_bytes, request_timeout, shutdown_timeout,
     )  # fmt: skip
     if (replicas, ray_address, min_replicas, max_replicas) != (None,) * 4:

@@ -51,6 +51,21 @@ class Session:
     busy: bool = False
 
 
+def turn_problem(name: str, spec: str, n: int) -> str | None:
+    """Why a turn of session ``name`` run by ``spec`` with ``n`` completions cannot be served by any engine (what the
+    request alone decides: ``kvopt batch`` asks before the model loads); None if it can."""
+    if not is_episodic(spec):
+        return (f"session {name!r}: sessions keep epicache's episodes, and this request runs {spec!r}; "
+                "give kv_method='epicache:ratio=0.75' (a lossless conversation needs no session: the prefix "
+                "cache reuses its earlier turns)")  # fmt: skip
+    if n != 1:
+        return f"session {name!r}: a turn of a session has one completion; give n=1"
+    if not NAME.fullmatch(name):
+        return (f"session {name[:40]!r}: a session name is 1-100 letters, digits, '.', '_' or '-' (it is "
+                "shared by every client of this engine: make it hard to guess)")  # fmt: skip
+    return None
+
+
 class Sessions:
     """The engine's named conversations, their episodes within ``memory`` bytes (least recently used idle ones go
     first; the one just used stays even when it alone exceeds it)."""
@@ -61,15 +76,9 @@ class Sessions:
 
     def begin(self, name: str, spec: str, n: int) -> tuple[Session | None, str | None]:
         """The session a turn continues, now busy; or why the turn cannot be served."""
-        if not is_episodic(spec):
-            return None, (f"session {name!r}: sessions keep epicache's episodes, and this request runs {spec!r}; "
-                          "give kv_method='epicache:ratio=0.75' (a lossless conversation needs no session: the prefix "
-                          "cache reuses its earlier turns)")  # fmt: skip
-        if n != 1:
-            return None, f"session {name!r}: a turn of a session has one completion; give n=1"
-        if not NAME.fullmatch(name):
-            return None, (f"session {name[:40]!r}: a session name is 1-100 letters, digits, '.', '_' or '-' (it is "
-                          "shared by every client of this engine: make it hard to guess)")  # fmt: skip
+        problem = turn_problem(name, spec, n)
+        if problem:
+            return None, problem
         fresh = EpisodicConversation(spec)
         session = self.named.setdefault(name, Session(fresh))
         if session.conversation.spec != fresh.spec:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20
 #: Most completions per prompt.
 MAX_N = 16
+#: The name the default model (the embedded SmolLM2-135M-Instruct) is served under when no --model names one.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -104,6 +106,14 @@ def _content(value: object) -> str:
     )
 
 
+def _document(value: object) -> str:
+    """A retrieved document: text with something in it (an empty one has no KV to reuse; the API refuses it too)."""
+    text = _text(value)
+    if not text:
+        raise PydanticCustomError("empty_document", "must not be empty; drop empty documents")
+    return text
+
+
 def _known_method(value: str) -> str:
     """A spec that parses, naming each method once (``full+full`` is as much a mistake as ``snapkv+snapkv``)."""
     try:
@@ -121,6 +131,7 @@ Text = Annotated[str, PlainValidator(_text, json_schema_input_type=str)]
 Prompt = Annotated[str | list[int], PlainValidator(_prompt, json_schema_input_type=str | list[int])]
 Stop = Annotated[list[str], PlainValidator(_stop, json_schema_input_type=str | list[str] | None)]
 Content = Annotated[str, PlainValidator(_content, json_schema_input_type=str | list[dict[str, str]])]
+Document = Annotated[str, PlainValidator(_document, json_schema_input_type=str)]
 KVMethod = Annotated[str, AfterValidator(_known_method)]
 N = Annotated[int, Field(ge=1, le=MAX_N, description="completions per prompt (sharing the prompt's KV blocks)")]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, description="0 is greedy")]
@@ -241,12 +252,21 @@ class ChatCompletionRequest(GenerateRequest):
     #: kvopt's extension for retrieval-augmented prompts: each document is tokenized on its own and placed, followed by
     #: a blank line, at the start of the last user message's text (where that message's content begins in the chat
     #: template); its KV is computed once and reused wherever it appears (``kvopt serve --chunk-caching``).
-    documents: list[Text] | None = Field(
+    documents: list[Document] | None = Field(
         None, min_length=1, description="kvopt: retrieved documents before the last user message, reused by content",
     )  # fmt: skip
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _without_session(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        # A session's turn is answered from its episodes, which hold no documents reused by content.
+        if value is not None and info.data.get("session") is not None:
+            raise PydanticCustomError("documents_session", "cannot be combined with session; send the documents in "
+                                      "the messages")  # fmt: skip
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -266,6 +286,14 @@ class ChatCompletionRequest(GenerateRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def unserved_model(name: str | None, served: str) -> str | None:
+    """Why a request naming ``model`` ``name`` is not for the ``served`` one (the server answers 404, ``kvopt batch``
+    refuses the line); None when it names that one or none."""
+    if name is None or name == served:
+        return None
+    return f"model {name!r} is not served here; use {served!r} or leave model out"
 
 
 def check_prompt(value: object, field: str = "prompt") -> str | list[int]:

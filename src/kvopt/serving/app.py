@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvopt.engine import RequestOutput, SamplingParams
 from kvopt.engine.conversations import SessionPrompt
 from kvopt.engine.llm_engine import ChunkedPrompt
-from kvopt.engine.requests import RequestSchemaError, max_tokens_within
+from kvopt.engine.requests import RequestSchemaError, max_tokens_within, unserved_model
 from kvopt.serving.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from kvopt.serving.errors import APIError, BodyLimitMiddleware, error_body, install_error_handlers
 from kvopt.serving.metrics import ServerMetrics
@@ -121,9 +121,9 @@ class OpenAIServer:
                            headers={"Retry-After": str(RETRY_AFTER_LOADING_S)} if loading else None)  # fmt: skip
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.model_name:
-            raise APIError(404, f"model {name!r} is not served here; use {self.settings.model_name!r} (GET /v1/models)",
-                           param="model", code="model_not_found")  # fmt: skip
+        problem = unserved_model(name, self.settings.model_name)
+        if problem:
+            raise APIError(404, f"{problem} (GET /v1/models)", param="model", code="model_not_found")
 
     def _sampling_params(self, body: GenerateRequest, prompt_tokens: int, chat: bool) -> SamplingParams:
         """The request's engine settings, within the server's limits (400s name the limit and the way out)."""
@@ -164,9 +164,6 @@ class OpenAIServer:
         self._check_stream_options(body)
         messages = [message.as_template_input() for message in body.messages]
         if body.documents:  # kvopt's extension: documents reused by content (engine/requests.py)
-            if body.session:
-                raise APIError(400, "documents and session cannot be combined; send the documents in the messages",
-                               param="session")  # fmt: skip
             prompt, length = await self.tokenizer.encode_chat_documents(messages, body.documents)
             return await self._generate(request, body, prompt, chat=True, prompt_tokens=length)
         prompt = await self.tokenizer.encode_chat(messages)
