@@ -59,11 +59,17 @@ def assert_pool_empty(llm: LLM) -> None:
     assert all(block.ref_count == 0 for block in llm.engine.block_manager.blocks)
 
 
+#: Step budgets the equality tests run under: the token budget alone, and a latency target no step meets (every
+#: prompt then progresses a minimum chunk per step beside the decodes): chunking changes when, never what.
+TARGETS = [None, pytest.param(0.001, marks=pytest.mark.filterwarnings("ignore:kvopt. itl_target_ms"), id="target")]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_equals_hf_generate(arch, prefix_caching, references):
+@pytest.mark.parametrize("target", TARGETS)
+def test_greedy_equals_hf_generate(arch, prefix_caching, target, references):
     model, prompts, expected = references(arch)
-    llm = engine(model, enable_prefix_caching=prefix_caching)
+    llm = engine(model, enable_prefix_caching=prefix_caching, itl_target_ms=target)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
     metrics = llm.metrics()
@@ -77,10 +83,12 @@ def test_greedy_equals_hf_generate(arch, prefix_caching, references):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs(arch, mode, references):
+@pytest.mark.parametrize("target", TARGETS)
+def test_preemption_keeps_outputs(arch, mode, target, references):
     model, prompts, expected = references(arch)
     # 3 layers x 2 KV heads x 16 dims x fp32 x K/V = 768 bytes per token: room for ~2 sequences at a time.
-    llm = engine(model, kv_memory=768 * 16 * 9, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=256)
+    llm = engine(model, kv_memory=768 * 16 * 9, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=256,
+                 itl_target_ms=target)  # fmt: skip
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
     metrics = llm.metrics()

@@ -1,12 +1,15 @@
 """Stall-free steps (issue 72): the budget arithmetic on a synthetic clock, the scheduler's use of it, the knobs'
 checks, and greedy outputs that do not depend on the budget."""
 
+import copy
 import json
 import re
 
 import openai
 import pytest
 from test_batch_cli import run as run_batch
+from test_engine_compressed import generate_with_cache
+from test_engine_compressed import prompts as compressed_prompts
 from test_engine import NEW_TOKENS, hf_greedy, mixed_prompts
 from test_hardening_cli import run_main
 from test_server import MODEL, PROMPT, make_server, metrics  # noqa: F401 - make_server is a fixture
@@ -14,7 +17,9 @@ from tiny_models import tiny_model
 
 from kvopt.engine import LLM, SamplingParams
 from kvopt.engine.config import EngineConfig, EngineConfigError
-from kvopt.engine.step_budget import MIN_PREFILL_CHUNK, StepClock, StepTimeModel, StepWork, chunk_work
+from kvopt.engine.step_budget import (
+    AUTO_TARGET_STEPS, IDLE_TARGET_STEPS, MIN_PREFILL_CHUNK, StepClock, StepTimeModel, StepWork, chunk_work,
+)
 from kvopt.serving import ServerSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,26 +68,27 @@ def clock_with(model: StepTimeModel, target_ms: float | None) -> StepClock:
 
 def test_decodes_are_always_admitted_and_prompts_get_at_least_the_minimum_chunk():
     clock = clock_with(fitted(), target_ms=25)  # barely above the decodes' own step
-    budget = clock.budget(4096, decoding=True, chunk_cap=None)
-    for _ in range(8):
-        budget.take(2000, 1, prompt=False)
-    assert budget.tokens == 8  # decodes are counted whatever the target
+    budget = clock.budget(4096, None, [2000] * 8)
+    assert budget.tokens == 8 and budget.decoding  # decodes are counted whatever the target
     assert budget.grant_prompt(0, 3000) == 0  # over the target
     assert budget.grant_prompt(0, 3000, floor=MIN_PREFILL_CHUNK) == MIN_PREFILL_CHUNK  # yet a prompt may progress
+    assert clock.budget(6, None, [2000] * 8).tokens == 6  # beyond the token cap, decodes wait for the next step
 
 
-def test_alone_a_prompt_takes_the_whole_token_budget_and_a_threshold_caps_its_chunk():
-    clock = clock_with(fitted(), target_ms=50)
-    assert clock.budget(4096, decoding=False, chunk_cap=None).grant_prompt(0, 3000) == 3000
-    assert clock.budget(4096, decoding=False, chunk_cap=512).grant_prompt(0, 3000) == 512
-    assert clock.budget(1024, decoding=False, chunk_cap=None).grant_prompt(0, 3000) == 1024
+def test_alone_a_prompt_takes_nearly_the_whole_budget_and_a_threshold_caps_its_chunk():
+    assert clock_with(fitted(), target_ms=None).budget(4096, None, []).grant_prompt(0, 3000) == 3000
+    clock = clock_with(fitted(), target_ms=100)
+    alone = clock.budget(4096, None, []).grant_prompt(0, 3000)  # ten times the target: ~1 s of prompt
+    assert synthetic_seconds(chunk_work(0, alone)) <= IDLE_TARGET_STEPS * 0.1 < synthetic_seconds(chunk_work(0, alone + 1))
+    beside = clock.budget(4096, None, [1000]).grant_prompt(0, 3000)
+    assert MIN_PREFILL_CHUNK < beside < alone / 5
+    assert clock_with(fitted(), None).budget(4096, 512, []).grant_prompt(0, 3000) == 512
+    assert clock_with(fitted(), None).budget(1024, None, []).grant_prompt(0, 3000) == 1024
 
 
 def test_the_budget_grows_when_the_target_allows_and_shrinks_when_steps_run_slow():
     def granted(model, target_ms):
-        budget = clock_with(model, target_ms).budget(4096, decoding=True, chunk_cap=None)
-        budget.take(1000, 1, prompt=False)
-        return budget.grant_prompt(0, 4000)
+        return clock_with(model, target_ms).budget(4096, None, [1000]).grant_prompt(0, 4000)
 
     assert MIN_PREFILL_CHUNK < granted(fitted(), 100) < granted(fitted(), 400) < 4000
     slow = fitted(slowdown=3.0)  # the machine got busy: the same target buys fewer tokens
@@ -95,15 +101,27 @@ def test_the_budget_grows_when_the_target_allows_and_shrinks_when_steps_run_slow
     assert granted(model, 400) < before / 2
 
 
+def test_auto_follows_the_decoding_batch_from_its_start_up_floor():
+    clock = StepClock(None, auto=True)
+    clock.models = {threads: fitted() for threads in range(1, 257)}
+    clock.set_auto_target(0.030)  # one sequence's decode step at start-up
+    assert clock.budget(4096, None, [100]).target == pytest.approx(AUTO_TARGET_STEPS * 0.030)  # the floor
+    many = clock.budget(4096, None, [3000] * 16)  # sixteen long decodes: a slower step, a larger target
+    assert many.target == pytest.approx(AUTO_TARGET_STEPS * synthetic_seconds(StepWork(16, 16 * 3001)))  # each attends itself too
+    assert clock.last_target == many.target
+    assert clock.budget(4096, None, []).target == pytest.approx(IDLE_TARGET_STEPS * AUTO_TARGET_STEPS * 0.030)
+
+
 def test_the_clock_counts_missed_steps_and_the_prediction_ratio():
     clock = clock_with(fitted(), target_ms=100)
-    budget = clock.budget(4096, decoding=True, chunk_cap=None)
-    budget.take(1000, 1, prompt=False)
+    budget = clock.budget(4096, None, [1000])
     budget.grant_prompt(0, 4000)
     clock.observe(budget, synthetic_seconds(budget.work))
     clock.observe(budget, 2 * synthetic_seconds(budget.work))  # a step twice as slow as predicted
+    alone = clock.budget(4096, None, [])
+    clock.observe(alone, 0.5)  # past the decoding target, but nothing decoded: no miss
     assert clock.missed == 1
-    assert clock.prediction_ratio.quantiles(0.0, 1.0) == pytest.approx([0.5, 1.0])
+    assert list(clock.prediction_ratio.recent)[:2] == pytest.approx([1.0, 0.5])
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -146,7 +164,8 @@ def test_a_long_prompt_never_stalls_the_decodes_beside_it():
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for index, prompt in enumerate(mixed_prompts(3)):
         engine.add_request(f"chat{index}", prompt, params)
-    engine.step()  # the chat prompts' prefill; they decode from here on
+    while any(seq.num_uncomputed_tokens > 1 for seq in [*engine.scheduler.waiting, *engine.scheduler.running]):
+        engine.step()  # the chat prompts' prefill (in minimum chunks: the target binds alone too); then they decode
     engine.add_request("document", [3 + index % 120 for index in range(300)], SamplingParams(max_tokens=2, ignore_eos=True))
     chunks = []
     while any(seq.request_id == "document" for seq in [*engine.scheduler.waiting, *engine.scheduler.running]):
@@ -191,7 +210,8 @@ def test_a_question_arriving_mid_document_is_admitted_before_the_documents_next_
     with pytest.warns(UserWarning, match="below one decode step"):
         engine = LLM(tiny_model("llama"), kv_memory="4MB", max_num_batched_tokens=512, itl_target_ms=0.001).engine
     engine.add_request("chat", mixed_prompts(1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
-    engine.step()
+    while engine.scheduler.waiting or engine.scheduler.running[0].num_uncomputed_tokens > 1:
+        engine.step()
     engine.add_request("document", [3 + index % 120 for index in range(300)], SamplingParams(max_tokens=2))
     engine.step()
     engine.step()
@@ -213,8 +233,32 @@ def test_batch_takes_the_knobs_and_prints_the_budget_it_used(model_folder, tmp_p
                               "--max-num-partial-prefills", "1", "--itl-target-ms", "auto"], monkeypatch, capsys)  # fmt: skip
     assert code == 0, stderr
     assert re.search(r"step budget: at most 64 tokens a step, prompt chunks of at most 16, at most 1 prompts "
-                     r"part-way through, latency target \d+ ms \(auto\)", stderr)  # fmt: skip
+                     r"part-way through, latency target \d+ ms \(auto: at least this", stderr)  # fmt: skip
     assert len(out.read_text().splitlines()) == 3
     code, stderr = run_batch([str(source), "-o", str(out), "--model", str(model_folder), "--itl-target-ms", "-3"],
                              monkeypatch, capsys)  # fmt: skip
     assert code == 2 and "itl_target_ms='-3' must be a positive number" in stderr
+
+
+@pytest.mark.filterwarnings("ignore:kvopt. itl_target_ms")
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4,residual=32", "streamingllm:budget=48"])
+def test_compressed_sequences_under_a_target_equal_generate_with_the_same_cache(spec):
+    """A compressed prompt's one-pass prefill counts as prompt work; beside minimum chunks its outputs are unchanged."""
+    model = tiny_model("llama")
+    outputs = LLM(copy.deepcopy(model), kv_method=spec, kv_memory="4MB", max_num_batched_tokens=96,
+                  itl_target_ms=0.001).generate(
+        compressed_prompts(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    expected = [generate_with_cache(model, spec, prompt, NEW_TOKENS) for prompt in compressed_prompts()]
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+@pytest.mark.filterwarnings("ignore:kvopt. itl_target_ms")
+def test_speculation_under_a_target_keeps_plain_greedy_outputs():
+    model = tiny_model("qwen2")
+    prompts = mixed_prompts(10) + mixed_prompts(3, seed=5, shared=40)
+    for target in (0.001, 10_000.0):  # drafts get no room / all the room the token budget leaves
+        llm = LLM(model, kv_memory="4MB", max_num_batched_tokens=128, speculate="prompt_lookup:k=4,ngram=2",
+                  speculate_max_batch=64, itl_target_ms=target)  # fmt: skip
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    assert llm.metrics()["spec_decode_num_draft_tokens_total"] > 0  # the generous target left drafts their room

@@ -470,8 +470,9 @@ def _step_budget_line(steps: dict, llm) -> str:
         bounds.append("no latency target")
     else:
         clock = llm.engine.scheduler.clock if llm is not None else None  # with --ray: each actor measured its own
-        measured = f"{clock.target * 1000:.0f} ms" if clock is not None and clock.target else "per actor"
-        bounds.append(f"latency target {measured}" + (" (auto)" if target == "auto" else ""))
+        measured = f"{clock.target * 1000:.0f} ms" if clock is not None and clock.target else "set per actor"
+        auto = " (auto: at least this, 3x the decoding batch's step)" if target == "auto" else ""
+        bounds.append(f"latency target {measured}{auto}")
     return "step budget: " + ", ".join(bounds)
 
 

@@ -57,8 +57,8 @@ MaxNumPartialPrefillsOption = Annotated[
 ItlTargetOption = Annotated[
     str,
     typer.Option(help="inter-token latency to keep while sequences decode, in ms: each step's prompt tokens are sized "
-                      "so that the step, predicted from the steps just measured, stays within it; auto: 4x one "
-                      "sequence's decode step measured at start-up; off: no target"),
+                      "so that the step, predicted from the steps just measured, stays within it; auto: 3x the "
+                      "decoding batch's own step (at least 3x one sequence's, timed at start-up); off: no target"),
 ]  # fmt: skip
 
 

@@ -51,8 +51,8 @@ class EngineConfig:
     max_num_partial_prefills: int | None = None
     #: Inter-token latency to keep while sequences decode, in milliseconds: each step's prompt tokens are sized so
     #: that the step, predicted from the steps just measured, stays within it (:mod:`kvopt.engine.step_budget`);
-    #: ``"auto"``: a few times one sequence's decode step, measured when the engine starts; None: no target
-    #: (prompts take what the token budget leaves).
+    #: ``"auto"``: 3x the decoding batch's own step (at least 3x one sequence's, timed when the engine starts);
+    #: None: no target (prompts take what the token budget leaves).
     itl_target_ms: float | str | None = None
     #: Longest prompt + output; None: the model's maximum positions.
     max_model_len: int | None = None
@@ -140,7 +140,7 @@ def check_itl_target(value: float | str | None) -> float | str | None:
             number = None
     if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
         raise EngineConfigError(f"itl_target_ms={value!r} must be a positive number of milliseconds (e.g. 250) or "
-                                "'auto' (a few times the decode step measured at start-up)")  # fmt: skip
+                                "'auto' (3x the decoding batch's step)")  # fmt: skip
     return float(number)
 
 

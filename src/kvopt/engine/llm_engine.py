@@ -681,7 +681,7 @@ class LLMEngine:
             "spec_decode_num_drafts_total": stats.speculation.drafts,
             "spec_decode_num_draft_tokens_total": stats.speculation.draft_tokens,
             "spec_decode_num_accepted_tokens_total": stats.speculation.accepted_tokens,
-            "step_itl_target_seconds": clock.target or 0.0,
+            "step_itl_target_seconds": clock.last_target or 0.0,
             "step_prefill_budget_tokens": clock.prompt_budget,
             "step_target_missed_total": clock.missed,
             "step_time_predicted_over_measured": clock.prediction_ratio.snapshot(),

@@ -157,17 +157,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
-        budget = self.clock.budget(self.config.max_num_batched_tokens, bool(decoding),
-                                   self.config.long_prefill_token_threshold)  # fmt: skip
-        counted = set()
-        for seq in decoding[: budget.spare_tokens]:  # counted before any prompt's chunk: never behind a prompt
-            budget.take(seq.num_stored_tokens, 1, prompt=False)
-            counted.add(seq.seq_id)
+        cap = self.config.max_num_batched_tokens
+        # Decodes are counted before any prompt's chunk: a decode never waits behind a prompt.
+        budget = self.clock.budget(cap, self.config.long_prefill_token_threshold,
+                                   [seq.num_stored_tokens for seq in decoding])  # fmt: skip
+        counted = {seq.seq_id for seq in decoding[:cap]}
         budget.opening_room = budget.room(0, MIN_PREFILL_CHUNK)
         self.budget = budget
         # Under a latency target a waiting prompt goes before the next chunk of a prompt part-way through: a chat
         # user's question does not queue behind a long document's chunks (each still gets its minimum).
-        deferred = budget.target is not None
+        deferred = budget.decoding and budget.target is not None
         preempted = self._schedule_running(batch, budget, counted, deferred)
         if not preempted:
             self._swap_in()

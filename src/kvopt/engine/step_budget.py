@@ -13,9 +13,11 @@ the tokens its sequence holds (fewer for a compressed sequence: its real cost). 
 recent steps, kept per torch thread count (a change of threads is a different machine), with the steps that
 computed prompts kept apart from decode-only ones so that a long run of decodes does not forget what a prompt costs.
 
-With nothing decoding, prompts take the whole token budget (throughput as without a target). Every step gives
-the first prompt part-way through, and the first waiting prompt, at least :data:`MIN_PREFILL_CHUNK` tokens each, so
-both always progress, even under a target no step can meet.
+With nothing decoding, a step may run :data:`IDLE_TARGET_STEPS` times the target: a prompt alone keeps nearly all of
+its throughput (a step's fixed cost is a few percent of such a step), and a request arriving meanwhile waits that
+long at most for its turn, not for a whole 6,000-token prefill. Every step gives the first prompt part-way through,
+and the first waiting prompt, at least :data:`MIN_PREFILL_CHUNK` tokens each, so both always progress, even under a
+target no step can meet.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from kvopt.engine.metrics import Histogram
 
 #: Prompt tokens every step grants (when a prompt waits and the token budget allows), whatever the target says.
 MIN_PREFILL_CHUNK = 32
-#: ``itl_target_ms="auto"``: the target is this many times the decode step of one sequence measured at start-up
-#: (a chat user's p99 then stays within a few decode steps, and prompts get the rest).
-AUTO_TARGET_STEPS = 4.0
+#: ``itl_target_ms="auto"``: each step's target is this many times the decode-only step of the sequences decoding in
+#: it (as the model predicts it; at least this many times one sequence's decode step timed at start-up): a chat
+#: user's p99 stays within about that many of its p50 steps, and prompts get the rest, about two thirds of the time.
+AUTO_TARGET_STEPS = 3.0
+#: With nothing decoding, a step may take this many times the target (a prompt alone is nearly unchunked).
+IDLE_TARGET_STEPS = 10.0
 #: Steps kept per kind (decode-only, with prompt tokens) for the fit: recent enough to follow a contended machine.
 WINDOW = 48
 #: Feature scales (tokens in thousands, pairs in millions) keep the least-squares problem well conditioned.
@@ -112,7 +117,7 @@ class StepBudget:
     latency target."""
 
     token_cap: int
-    #: Seconds the step should stay within (None: no target, or nothing decodes).
+    #: Seconds the step should stay within (None: no target).
     target: float | None
     model: StepTimeModel
     #: A prompt's chunk per step at most (``long_prefill_token_threshold``); None: the token cap.
@@ -122,6 +127,8 @@ class StepBudget:
     prompt_tokens: int = 0
     #: :meth:`room` of a fresh prompt once the step's decodes were in (the scheduler records it).
     opening_room: int = 0
+    #: Whether sequences decode in this step (the target is then the inter-token latency they see).
+    decoding: bool = False
 
     @property
     def spare_tokens(self) -> int:
@@ -171,14 +178,35 @@ class StepClock:
         self.missed = 0
         #: Prompt tokens the latest step's budget allowed a fresh prompt (the token cap when not timed).
         self.prompt_budget = 0
+        #: The target of the latest step that decoded (``auto``: it follows the decoding batch).
+        self.last_target = self.target
 
     @property
     def model(self) -> StepTimeModel:
         return self.models.setdefault(torch.get_num_threads(), StepTimeModel())
 
-    def budget(self, token_cap: int, decoding: bool, chunk_cap: int | None) -> StepBudget:
-        """The next step's budget: timed only while some sequence decodes (alone, prompts take the token cap)."""
-        return StepBudget(token_cap, self.target if decoding else None, self.model, chunk_cap)
+    def budget(self, token_cap: int, chunk_cap: int | None, decodes: list[int]) -> StepBudget:
+        """The next step's budget, with the tokens of its decoding sequences counted first (``decodes``: the tokens
+        each holds; those beyond the token cap wait), and the step's target: the latency target while they decode,
+        :data:`IDLE_TARGET_STEPS` times it when none does."""
+        budget = StepBudget(token_cap, None, self.model, chunk_cap)
+        for held in decodes[:token_cap]:
+            budget.take(held, 1, prompt=False)
+        budget.decoding = bool(decodes)
+        budget.target = self.step_target(budget.work, budget.decoding)
+        if budget.decoding:
+            self.last_target = budget.target
+        return budget
+
+    def step_target(self, decode_work: StepWork, decoding: bool) -> float | None:
+        """Seconds a step with ``decode_work`` counted should stay within (None: no target)."""
+        if self.target is None:
+            return None
+        target = self.target
+        predicted = self.model.predict(decode_work) if self.auto and decoding else None
+        if predicted is not None:
+            target = max(target, AUTO_TARGET_STEPS * predicted)
+        return target if decoding else IDLE_TARGET_STEPS * target
 
     def observe(self, budget: StepBudget, seconds: float) -> None:
         """Fit the step just run; count a step that decoded and overran the target."""
@@ -186,11 +214,11 @@ class StepClock:
         predicted = self.model.predict(budget.work)
         if predicted is not None and seconds > 0:
             self.prediction_ratio.observe(predicted / seconds)
-        if budget.target is not None and seconds > budget.target:
+        if budget.decoding and budget.target is not None and seconds > budget.target:
             self.missed += 1
         self.model.observe(budget.work, seconds, budget.prompt_tokens > 0)
 
     def set_auto_target(self, decode_seconds: float) -> float:
-        """``auto``: the target from one sequence's decode step measured at start-up."""
-        self.target = AUTO_TARGET_STEPS * decode_seconds
+        """``auto``: the smallest target, from one sequence's decode step measured at start-up."""
+        self.target = self.last_target = AUTO_TARGET_STEPS * decode_seconds
         return self.target
