@@ -291,7 +291,7 @@ def measure(config: str, arrivals: str, docs: list[tuple[int, str]], args) -> tu
                 process.wait(10)
                 return base | {"status": "failed", "reason": f"on a first request, {exit_reason(process, log)}"}, {}
             before = scrape(url)
-            chat_seconds = args.chat_seconds or len(docs) * args.interval
+            chat_seconds = args.chat_seconds or args.documents * args.interval  # what the documents would span
             done = asyncio.run(drive(url, model, chosen, args, chat_seconds))
             died = exit_reason(process, log) if process.poll() is not None else None
             after = None if died else scrape(url)
