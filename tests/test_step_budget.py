@@ -61,7 +61,7 @@ def test_the_most_tokens_fill_the_target_and_no_more():
 
 
 def clock_with(model: StepTimeModel, target_ms: float | None) -> StepClock:
-    clock = StepClock(target_ms, auto=False)
+    clock = StepClock(target_ms)
     clock.models = {threads: model for threads in range(1, 257)}
     return clock
 
@@ -102,7 +102,7 @@ def test_the_budget_grows_when_the_target_allows_and_shrinks_when_steps_run_slow
 
 
 def test_auto_follows_the_decoding_batch_from_its_start_up_floor():
-    clock = StepClock(None, auto=True)
+    clock = StepClock("auto")
     clock.models = {threads: fitted() for threads in range(1, 257)}
     clock.set_auto_target(0.030)  # one sequence's decode step at start-up
     assert clock.budget(4096, None, [100]).target == pytest.approx(AUTO_TARGET_STEPS * 0.030)  # the floor
@@ -161,6 +161,8 @@ def test_a_long_prompt_never_stalls_the_decodes_beside_it():
     with pytest.warns(UserWarning, match=r"itl_target_ms=0.001 is below one decode step of this engine \(.* ms measured"):
         engine = LLM(tiny_model("llama"), kv_memory="4MB", max_num_batched_tokens=512, itl_target_ms=0.001).engine
     assert engine.metrics()["request_success_total"] == {} and engine.metrics()["prefix_cache_queries_total"] == 0
+    assert engine.metrics()["step_target_missed_total"] == 0  # the warm-up's steps are not the load's
+    assert engine.metrics()["step_time_predicted_over_measured"]["count"] == 0
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for index, prompt in enumerate(mixed_prompts(3)):
         engine.add_request(f"chat{index}", prompt, params)

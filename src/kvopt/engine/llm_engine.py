@@ -166,9 +166,8 @@ class LLMEngine:
         if config.kv_tiers:
             self.offload = KVOffload.from_specs(config.kv_tiers, model, self.runner.pool, self.block_manager,
                                                 self.fingerprint, config.kv_tier_encoding)  # fmt: skip
-        clock = StepClock(None if config.itl_target_ms in (None, "auto") else config.itl_target_ms,
-                          auto=config.itl_target_ms == "auto")  # fmt: skip
-        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload, self._drafting(device), clock)
+        self.scheduler = Scheduler(config, self.block_manager, self.runner, self.offload, self._drafting(device),
+                                   StepClock(config.itl_target_ms))  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stop_token_ids = _eos_ids(model, tokenizer)
@@ -457,7 +456,7 @@ class LLMEngine:
             warnings.warn(f"kvopt: itl_target_ms={clock.target * 1000:g} is below one decode step of this engine "
                           f"({step * 1000:.1f} ms measured at start-up): every step will miss it, and prompts get the "
                           f"smallest budget; give at least {step * 1000:.0f} ms, or auto", UserWarning, stacklevel=2)  # fmt: skip
-        clock.missed = 0
+        clock.forget_counts()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._failed)

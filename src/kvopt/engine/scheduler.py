@@ -122,7 +122,7 @@ class Scheduler:
                  clock: StepClock | None = None) -> None:  # fmt: skip
         self.config = config
         #: Step times and the latency target the prompt budget is sized for.
-        self.clock = clock or StepClock(None, auto=False)
+        self.clock = clock or StepClock()
         #: The budget of the step :meth:`schedule` made last (the engine reports its measured time against it).
         self.budget: StepBudget | None = None
         #: Speculative decoding (None: one token per step).
@@ -204,10 +204,11 @@ class Scheduler:
             seq = self.running[index]
             if seq.num_uncomputed_tokens == 1:
                 num_tokens = 1 if seq.seq_id in counted else 0  # beyond the token cap: the next step
+            elif defer:
+                num_tokens = 0
             else:
-                floor = 0 if defer or budget.prompt_tokens else MIN_PREFILL_CHUNK
-                num_tokens = 0 if defer else budget.grant_prompt(seq.num_computed_tokens, seq.num_uncomputed_tokens,
-                                                                 floor)  # fmt: skip
+                floor = 0 if budget.prompt_tokens else MIN_PREFILL_CHUNK
+                num_tokens = budget.grant_prompt(seq.num_computed_tokens, seq.num_uncomputed_tokens, floor)
             if num_tokens == 0:
                 index += 1
                 continue

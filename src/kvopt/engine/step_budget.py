@@ -167,11 +167,12 @@ class StepBudget:
 class StepClock:
     """The engine's step-time models (per torch thread count), its latency target, and how well they held."""
 
-    def __init__(self, target_ms: float | None, auto: bool) -> None:
+    def __init__(self, itl_target_ms: float | str | None = None) -> None:
+        """``itl_target_ms`` as the engine's setting: milliseconds, ``"auto"`` or None (no target)."""
         self.models: dict[int, StepTimeModel] = {}
-        self.target = None if target_ms is None else target_ms / 1000
         #: ``auto``: the target is set from the start-up decode step (:meth:`set_auto_target`).
-        self.auto = auto
+        self.auto = itl_target_ms == "auto"
+        self.target = None if itl_target_ms is None or self.auto else itl_target_ms / 1000
         #: Predicted over measured seconds of every step the model predicted (1: exact).
         self.prediction_ratio = Histogram(RATIO_BUCKETS)
         #: Steps that decoded and ran past the target.
@@ -217,6 +218,11 @@ class StepClock:
         if budget.decoding and budget.target is not None and seconds > budget.target:
             self.missed += 1
         self.model.observe(budget.work, seconds, budget.prompt_tokens > 0)
+
+    def forget_counts(self) -> None:
+        """Start the missed steps and the prediction ratios afresh (the engine's warm-up steps are not the load's)."""
+        self.prediction_ratio = Histogram(RATIO_BUCKETS)
+        self.missed = 0
 
     def set_auto_target(self, decode_seconds: float) -> float:
         """``auto``: the smallest target, from one sequence's decode step measured at start-up."""
