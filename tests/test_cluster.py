@@ -126,7 +126,7 @@ def cluster(ray_cluster, model_folder, redis_server):
     (its hits come from the chosen replica's own pool) and the replica-kill test uses."""
     from ray import serve
 
-    yield deploy(ray_cluster, model_folder, kv_tiers=(redis_server.url + "?max=64MB",))
+    yield deploy(ray_cluster, model_folder, kv_tiers=(redis_server.url + "?max=64MB",), itl_target_ms="auto")
     serve.delete("kvopt")
 
 
@@ -238,6 +238,16 @@ def test_requests_past_every_replicas_room_get_429_with_retry_after_not_a_hang(c
     assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
     assert "cluster is full" in refused[0].json()["error"]["message"]
     assert all(r.json()["usage"]["completion_tokens"] == 400 for r in served)
+
+
+def test_each_replica_sizes_its_steps_for_the_target_it_measured(cluster):
+    """``--itl-target-ms auto`` (serve's default) is derived by each replica from the decode step it timed at
+    start-up and kept by its own scheduler: the burst above decoded on both, and each reports its own target and
+    prompt budget."""
+    targets = settled(lambda: replica_counters(cluster, "kvopt:step_itl_target_seconds"))
+    budgets = replica_counters(cluster, "kvopt:step_prefill_budget_tokens")
+    assert len(targets) == 2 and all(target > 0 for target in targets.values()), targets
+    assert budgets.keys() == targets.keys() and all(budget > 0 for budget in budgets.values()), budgets
 
 
 def test_bad_cluster_settings_fail_with_one_line_and_exit_2(ray_cluster, monkeypatch, capsys):

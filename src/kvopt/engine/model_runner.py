@@ -19,6 +19,7 @@ from kvopt.engine.kv.paged import PagedCache, PagedKVPool, StepPlan
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
+from kvopt.models.lean_forward import lean_forward_for
 
 
 class ModelRunner:
@@ -34,6 +35,9 @@ class ModelRunner:
         self.cache = PagedCache(self.pool, info)
         self.num_kv_heads = info.num_kv_heads
         self.mlp_rows = MLP_ROWS if self.device.type == "cpu" else None
+        #: The llama-shaped families' forward without HF's per-op layer code (None: HF's forward serves).
+        self.lean = lean_forward_for(model, self.mlp_rows)
+        self.attends = [layer.attend_step for layer in self.cache.layers]
         decoder = model.get_decoder()
         self.mlps = [layer.mlp for layer in decoder.layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
 
@@ -75,23 +79,31 @@ class ModelRunner:
         if not ids:
             return torch.cat(sampled)
         self.cache.batch = plan.build(row, attention_math.decode_pieces(self.num_kv_heads))
-        device = self.device
         try:
-            with self._mlps_in_row_slices(len(ids)):
-                output = self.model(
-                    input_ids=torch.tensor([ids], device=device),
-                    position_ids=torch.tensor([positions], device=device),
-                    **cache_kwargs(self.model, self.cache),
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=device),
-                )
+            logits = self._forward(ids, positions, logit_rows).float()
         finally:
             self.cache.batch = None
-        logits = output.logits[0].float()
         if not plan.alone:
             return logits
         rows = iter(logits.split([n for n in sampled if isinstance(n, int)]))
         return torch.cat([next(rows) if isinstance(n, int) else n for n in sampled])
+
+    def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int]) -> torch.Tensor:
+        """The model over the step's flattened tokens (the per-step context set on the cache): ``[rows, vocab]``."""
+        device = self.device
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        if self.lean is not None:
+            ids_tensor, positions_tensor = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            return self.lean(ids_tensor, positions_tensor, self.attends, rows)
+        with self._mlps_in_row_slices(len(ids)):
+            output = self.model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                **cache_kwargs(self.model, self.cache),
+                use_cache=True,
+                logits_to_keep=rows,
+            )
+        return output.logits[0]
 
     @contextmanager
     def _mlps_in_row_slices(self, tokens: int) -> Iterator[None]:

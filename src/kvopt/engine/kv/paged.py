@@ -143,6 +143,15 @@ class PagedBatch:
     #: sliding_window, softcap)`` over their rows ``first:end`` (head blocks, their own caches).
     own: list = field(default_factory=list)
 
+    @property
+    def only_decodes(self) -> bool:
+        """Whether the step's rows are exactly its decode group's, one per sequence in order (a pure decode step
+        of pool-attending sequences: attention's output needs no scattering)."""
+        return (
+            self.decodes is not None and len(self.decodes.members) == len(self.sequences)
+            and not self.compressed and not self.own and self.stored_rows is None
+        )  # fmt: skip
+
 
 @dataclass
 class StepPlan:
@@ -256,23 +265,36 @@ class PagedLayer(SeamLayer):
 
         ``query [1, heads, tokens, dim]`` (the flattened batch); returns ``[1, tokens, heads, dim]``.
         """
-        batch = self.cache.batch
-        if batch is None or padding is not None:
+        if self.cache.batch is None or padding is not None:
             raise CacheUsageError("a paged KV cache is driven by the kvopt engine (kvopt.LLM), not called directly")
         self.take_parked(value)
+        token_major = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+        return self.attend_step(module, *token_major, scaling, sliding_window, softcap)
+
+    def attend_step(self, module, query, key, value, scaling, sliding_window, softcap) -> torch.Tensor:
+        """The step's attention in this layer, from ``query [tokens, heads, dim]`` and ``key``/``value``
+        ``[tokens, kv_heads, dim]`` (token-major, as the projections lay them out: the engine's lean forward
+        calls this directly, :meth:`attend` once HF's seam has handed the tensors over); returns
+        ``[1, tokens, heads, dim]``."""
+        batch = self.cache.batch
         pool = self.cache.pool
         keys, values = pool.keys[self.index], pool.values[self.index]
-        stored_keys, stored_values = key[0], value[0]
+        stored_keys, stored_values = key, value
         if batch.stored_rows is not None:
-            stored_keys, stored_values = key[0].index_select(1, batch.stored_rows), value[0].index_select(1, batch.stored_rows)
-        keys.index_copy_(1, batch.slot_mapping, stored_keys)
-        values.index_copy_(1, batch.slot_mapping, stored_values)
-        output = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+            stored_keys, stored_values = key.index_select(0, batch.stored_rows), value.index_select(0, batch.stored_rows)
+        keys.index_copy_(1, batch.slot_mapping, stored_keys.transpose(0, 1))
+        values.index_copy_(1, batch.slot_mapping, stored_values.transpose(0, 1))
         plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
         batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
+        if batched and batch.only_decodes:  # every row is one sequence's next token, in order
+            return _attend_decodes(query, keys, values, batch, scaling, self.index)[None]
+        decoded = _attend_decodes(query, keys, values, batch, scaling, self.index) if batched else None
+        # the per-sequence paths read HF's head-major layout, [1, heads, tokens, dim]
+        query, key, value = (tensor.transpose(0, 1)[None] for tensor in (query, key, value))
+        output = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
         done = set()
-        if batched:
-            output[0, batch.decodes.rows] = _attend_decodes(query, keys, values, batch, scaling, self.index)
+        if decoded is not None:
+            output[0, batch.decodes.rows] = decoded
             done.update(batch.decodes.members)
         for index, seq in enumerate(batch.sequences):
             if index in done:
@@ -319,7 +341,8 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
 
 
 def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int) -> torch.Tensor:
-    """Every single-query sequence at once, compressed ones' quantized groups (layer ``layer``) included: ``[S, heads, dim]``.
+    """Every single-query sequence at once, compressed ones' quantized groups (layer ``layer``) included: ``[S, heads, dim]``
+    from the step's token-major ``query [tokens, heads, dim]``.
 
     Per sequence one flash call over its longest run, read in place and cut into
     ``group.pieces`` views that the kernel's threads share (its work units are batch x KV
@@ -332,8 +355,8 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
     heads, dim = query.shape[1], query.shape[-1]
     kv_heads, pieces, count = keys.shape[0], group.pieces, len(group.members)
     scale = attention_math.default_scale(query, scaling)
-    stored = query[0][:, group.rows].transpose(0, 1)  # [S, heads, dim], in the model's dtype
-    queries = stored.float()
+    # [S, heads, dim], in the model's dtype (``query`` is token-major: a pure decode step's rows are all its members)
+    stored = query if query.shape[0] == len(group.members) else query.index_select(0, group.rows)
     # the flash kernel reads the pool in its own dtype (bf16 accumulates in fp32 inside): converting each
     # sequence's keys first cost more than the attention itself at a few hundred tokens (measured)
     folded = stored.to(keys.dtype).reshape(count, kv_heads, heads // kv_heads, dim)
@@ -343,7 +366,7 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
     for member_query, (start, length) in zip(member_queries, group.spans):
         if not length:
             if nothing is None:
-                empty_lse = queries.new_full((pieces, *folded.shape[1:3]), float("-inf"))
+                empty_lse = stored.new_full((pieces, *folded.shape[1:3]), float("-inf"), dtype=torch.float32)
                 nothing = (folded.new_zeros(pieces, *folded.shape[1:]), empty_lse)
             out, lse = nothing
         else:
@@ -351,8 +374,11 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
             out, lse = attention_math.cpu_flash(member_query, run_keys, run_values, scale)
         outputs.append(out)
         lses.append(lse)
+    if pieces == 1 and group.rest is None and not group.coded:  # one part per sequence: nothing to merge
+        return torch.cat(outputs).reshape(count, heads, dim).to(query.dtype)
     output = torch.stack(outputs).reshape(count, pieces, heads, dim).float()
     lse = torch.stack(lses).reshape(count, pieces, heads)
+    queries = stored.float()
     if group.rest is not None:
         tail_keys = keys.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
         tail_values = values.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)

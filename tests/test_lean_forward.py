@@ -1,0 +1,65 @@
+"""The engine's lean forward (issue 65): the llama-shaped families computed without HF's per-op layer code, equal
+to HF's forward, sharing the model's memory, and leaving HF's forward on the same model as it was."""
+
+import pytest
+import torch
+from conftest import random_batch
+from test_engine import NEW_TOKENS, mixed_prompts
+from tiny_models import CONFIGS, tiny_model
+
+from kvopt.engine import LLM, SamplingParams
+from kvopt.models.lean_forward import FAMILIES, lean_forward_for
+from kvopt.models.packed_linear import pack_linears
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_the_llama_shaped_families_are_served_and_the_others_keep_hf(arch):
+    lean = lean_forward_for(tiny_model(arch))
+    assert (lean is not None) == (arch in FAMILIES), arch
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_fusing_adds_no_memory_and_leaves_hf_forward_bit_equal(arch):
+    model = tiny_model(arch)
+    ids, mask = random_batch([9, 23])
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+    parameters = sum(p.numel() for p in model.parameters())
+    lean = lean_forward_for(model)
+    assert sum(p.numel() for p in model.parameters()) == parameters  # q/k/v and gate/up are views of the fused ones
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, before)
+
+
+def hf_forward_engine(model, **options) -> LLM:
+    """An engine on ``model`` that runs HF's forward (the reference the lean one replaces)."""
+    llm = LLM(model, **options)
+    llm.engine.runner.lean = None
+    return llm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_the_engine_gives_the_same_tokens_and_logprobs_through_either_forward(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    pack_linears(model)  # bf16 on a CPU with bf16 arithmetic: the packed linears the engine serves with
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    long_prompt = random_batch([300], seed=7)[0][0].tolist()  # in 64-token chunks, then decoding alone
+    options = dict(kv_memory="4MB", max_num_batched_tokens=64)
+    for prompts in (mixed_prompts(8), [long_prompt]):
+        lean = LLM(model, **options)
+        assert lean.engine.runner.lean is not None
+        outputs = [lean.generate(prompts, params, use_tqdm=False), hf_forward_engine(model, **options).generate(
+            prompts, params, use_tqdm=False)]  # fmt: skip
+        tokens = [[o.outputs[0].token_ids for o in run] for run in outputs]
+        assert tokens[0] == tokens[1]
+        # bit-equal on the machines tried; a fused matmul may block its sums otherwise on another CPU's BLAS
+        tolerance = 1e-5
+        for a, b in zip(*outputs):
+            chosen = [[step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                      for o in (a, b)]  # fmt: skip
+            assert chosen[0] == pytest.approx(chosen[1], abs=tolerance)
