@@ -1,18 +1,19 @@
-"""The engine's forward for the llama-shaped families, without Hugging Face's per-op layer code.
+"""The engine's forward for llama, mistral, qwen2, gemma and gemma2, without Hugging Face's per-op layer code.
 
 A batch-1 decode step through HF's modules ran ~6,900 torch ops (about 230 per layer: norms computed in
-six ops, three separate q/k/v matmuls and two for gate/up, RoPE per tensor, shape bookkeeping), and on one
-core they cost as much as the weight matmuls themselves (issue 65). This forward computes the same layers
-with fused projections (q/k/v and gate/up concatenated once, the original modules' weights becoming views
-of the fused ones, so no memory is added and HF's forward keeps working on the same model), RoPE applied
-to queries and keys in one pass, and norms in three ops. Attention goes through the caller's per-layer
-``attend(module, query, key, value, scaling, sliding_window, softcap)`` (the engine's paged step), so every
-storage kind serves it unchanged.
+six ops, three separate q/k/v matmuls and two for gate/up, RoPE per tensor with a concatenation, shape
+bookkeeping), and on one core they cost as much as the weight matmuls themselves (issue 65). This forward
+computes the same layers with fused projections (q/k/v and gate/up concatenated once, the original
+modules' weights becoming views of the fused ones, so no memory is added and HF's forward keeps working on
+the same model), RoPE applied to queries and keys in one pass, and norms in three ops. Attention goes
+through the caller's per-layer ``attend`` (the engine's paged step), so every storage kind serves it
+unchanged.
 
-The arithmetic is HF's, op for op where it matters (norms round as HF's do, RoPE is the same per element);
-fused matmuls may differ from separate ones in the last bits, which the engine's equality tests bound.
-Families not listed in :data:`FAMILIES`, and models whose modules do not have the expected shape, keep HF's
-forward (:func:`lean_forward_for` returns None).
+The arithmetic is HF's, op for op where rounding can differ (norms round where HF's do, RoPE is the same
+per element): the engine's tokens and log-probabilities through it are bit-equal to HF's forward on the
+default model in fp32 and bf16 (tested on the tiny families). Families not in :data:`FAMILIES`, and models
+whose layers hold other modules (a newer release's q/k norms), keep HF's forward (:func:`lean_forward_for`
+returns None).
 """
 
 from __future__ import annotations
@@ -29,6 +30,38 @@ import torch.nn.functional as F
 Attend = Callable[..., torch.Tensor]
 
 
+def _llama_norm(hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in fp32, rounded to the input's dtype, then scaled by the weight."""
+    return F.rms_norm(hidden.float(), hidden.shape[-1:], None, norm.variance_epsilon).to(hidden.dtype) * norm.weight
+
+
+def _gemma_norm(hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by ``1 + weight`` in fp32, rounded once at the end."""
+    normed = F.rms_norm(hidden.float(), hidden.shape[-1:], None, norm.eps)
+    return (normed * (1.0 + norm.weight.float())).to(hidden.dtype)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's decoder layer differs from llama's: its RMSNorm (and the HF classes computing it), where a
+    layer's sliding window is read, and whether norms also wrap the attention and MLP outputs (Gemma 2's
+    sandwich). Attention soft-capping and final-logit soft-capping are read from the modules and config."""
+
+    norm: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]
+    norm_classes: frozenset[str]
+    window: Callable[[torch.nn.Module], int | None]
+    sandwich: bool = False
+
+    def layer_norms(self) -> set[str]:
+        return {"input_layernorm", "post_attention_layernorm"} | (
+            {"pre_feedforward_layernorm", "post_feedforward_layernorm"} if self.sandwich else set()
+        )
+
+
+def _no_window(attention: torch.nn.Module) -> int | None:
+    return None
+
+
 def _config_window(attention: torch.nn.Module) -> int | None:
     return getattr(attention.config, "sliding_window", None)
 
@@ -37,19 +70,15 @@ def _module_window(attention: torch.nn.Module) -> int | None:
     return getattr(attention, "sliding_window", None)
 
 
-#: Families whose decoder layer is pre-norm RMSNorm -> attention (q/k/v/o) -> residual -> RMSNorm -> gated MLP
-#: -> residual, with HF's llama RMSNorm and rotate-half RoPE; the value says where a layer's sliding window is
-#: read (each family passes it to its attention function from a different place).
-FAMILIES: dict[str, Callable[[torch.nn.Module], int | None]] = {
-    "llama": lambda attention: None,
-    "mistral": _config_window,
-    "qwen2": _module_window,
+#: The families this forward computes as HF does, by ``model_type``: pre-norm RMSNorm -> attention (q/k/v/o,
+#: rotate-half RoPE) -> residual -> RMSNorm -> gated MLP -> residual.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(_llama_norm, frozenset({"LlamaRMSNorm"}), _no_window),
+    "mistral": Family(_llama_norm, frozenset({"MistralRMSNorm"}), _config_window),
+    "qwen2": Family(_llama_norm, frozenset({"Qwen2RMSNorm"}), _module_window),
+    "gemma": Family(_gemma_norm, frozenset({"GemmaRMSNorm"}), _no_window),
+    "gemma2": Family(_gemma_norm, frozenset({"Gemma2RMSNorm"}), _module_window, sandwich=True),
 }
-
-
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's llama RMSNorm: normalised in fp32, rounded to the input's dtype, then scaled by the weight."""
-    return F.rms_norm(hidden.float(), hidden.shape[-1:], None, eps).to(hidden.dtype) * weight
 
 
 def fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
@@ -87,9 +116,9 @@ def fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
 class LeanLayer:
     """One decoder layer's weights, fused, and its forward over a flattened ``[tokens, hidden]`` batch."""
 
-    def __init__(self, layer: torch.nn.Module, window: int | None, mlp_rows: int | None) -> None:
+    def __init__(self, layer: torch.nn.Module, family: Family, mlp_rows: int | None) -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.attention = attention
+        self.attention, self.norm = attention, family.norm
         self.head_dim = attention.head_dim
         self.heads = attention.q_proj.out_features // self.head_dim
         self.kv_heads = attention.k_proj.out_features // self.head_dim
@@ -98,27 +127,35 @@ class LeanLayer:
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
         self.act = mlp.act_fn
-        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.scaling, self.window = attention.scaling, window
+        self.scaling, self.window = attention.scaling, family.window(attention)
+        self.softcap = getattr(attention, "attn_logit_softcapping", None)
+        self.input_norm = layer.input_layernorm
+        if family.sandwich:  # Gemma 2: norms on the attention and MLP outputs too
+            self.attention_out_norm, self.mlp_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            self.mlp_out_norm = layer.post_feedforward_layernorm
+        else:
+            self.attention_out_norm, self.mlp_norm, self.mlp_out_norm = None, layer.post_attention_layernorm, None
         self.mlp_rows = mlp_rows
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         tokens, dim = hidden.shape[0], self.head_dim
-        normed = rms_norm(hidden, self.input_norm.weight, self.input_norm.variance_epsilon)
-        qkv = self.qkv(normed)
+        qkv = self.qkv(self.norm(hidden, self.input_norm))
         query_key = qkv[:, : (self.heads + self.kv_heads) * dim].view(tokens, -1, dim)
         # HF's ``x * cos + rotate_half(x) * sin``, element for element: rotate_half(x) * sin is the halves swapped
         # (a roll) times ``sin`` with its first half negated (:meth:`LeanForward.rotary_tables`)
         rotated = query_key * cos + query_key.roll(dim // 2, -1) * sin
         value = qkv[:, (self.heads + self.kv_heads) * dim :].view(tokens, self.kv_heads, dim)
         attended = attend(self.attention, rotated[:, : self.heads], rotated[:, self.heads :], value, self.scaling,
-                          self.window, None)  # fmt: skip
-        hidden = hidden + self.o_proj(attended.reshape(tokens, self.heads * dim))
-        normed = rms_norm(hidden, self.post_norm.weight, self.post_norm.variance_epsilon)
+                          self.window, self.softcap)  # fmt: skip
+        hidden = hidden + self._out(self.o_proj(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
+        normed = self.norm(hidden, self.mlp_norm)
         if self.mlp_rows is None or tokens <= self.mlp_rows:
-            return hidden + self._mlp(normed)
+            return hidden + self._out(self._mlp(normed), self.mlp_out_norm)
         # a long chunk's MLP activations spill out of the CPU's caches: computed in slices (ModelRunner.MLP_ROWS)
-        return hidden + torch.cat([self._mlp(part) for part in normed.split(self.mlp_rows)])
+        return hidden + self._out(torch.cat([self._mlp(part) for part in normed.split(self.mlp_rows)]), self.mlp_out_norm)
+
+    def _out(self, output: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+        return output if norm is None else self.norm(output, norm)
 
     def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(normed).chunk(2, dim=-1)
@@ -135,6 +172,8 @@ class LeanForward:
     layers: list[LeanLayer]
     norm: torch.nn.Module
     head: torch.nn.Module
+    #: Gemma 2's final-logit soft-capping (None: none).
+    softcap: float | None = None
 
     def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own RoPE ``cos`` and ``sin`` at ``positions`` (every scaling type its rotary module knows),
@@ -155,30 +194,36 @@ class LeanForward:
         for layer, attend in zip(self.layers, attends):
             hidden = layer(hidden, cos, sin, attend)
         # the final norm runs as a module over every row, as in HF's forward (its hooks see what HF's would)
-        return self.head(self.norm(hidden[None])[0].index_select(0, logit_rows))
+        logits = self.head(self.norm(hidden[None])[0].index_select(0, logit_rows))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def lean_forward_for(model: torch.nn.Module, mlp_rows: int | None = None) -> LeanForward | None:
     """The lean forward of ``model`` (fusing its projections in place), or None where its family or its modules'
     shape is not one this forward computes exactly as HF does."""
     config = model.config.get_text_config()
-    window_of = FAMILIES.get(getattr(config, "model_type", None))
+    family = FAMILIES.get(getattr(config, "model_type", None))
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if window_of is None or decoder is None or not _llama_shaped(decoder):
+    if family is None or decoder is None or not _shaped_as(decoder, family):
         return None
-    layers = [LeanLayer(layer, window_of(layer.self_attn), mlp_rows) for layer in decoder.layers]
-    return LeanForward(decoder.embed_tokens, decoder.rotary_emb, layers, decoder.norm, model.get_output_embeddings())
+    layers = [LeanLayer(layer, family, mlp_rows) for layer in decoder.layers]
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LeanForward(decoder.embed_tokens, decoder.rotary_emb, layers, decoder.norm, model.get_output_embeddings(),
+                       softcap)  # fmt: skip
 
 
-def _llama_shaped(decoder: torch.nn.Module) -> bool:
-    """Whether every layer has exactly the modules this forward reads (no extra norms, q/k norms or the like)."""
+def _shaped_as(decoder: torch.nn.Module, family: Family) -> bool:
+    """Whether every layer has exactly the modules this forward reads for ``family`` (no extra norms, q/k norms or
+    the like, which a newer release of the family might add)."""
     for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
         if not isinstance(getattr(decoder, name, None), torch.nn.Module):
             return False
+    norms = family.layer_norms()
     for layer in decoder.layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = {name for name, _ in layer.named_children()}
-        if names != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        if {name for name, _ in layer.named_children()} != {"self_attn", "mlp"} | norms:
             return False
         if {name for name, _ in attention.named_children()} != {"q_proj", "k_proj", "v_proj", "o_proj"}:
             return False
@@ -187,11 +232,6 @@ def _llama_shaped(decoder: torch.nn.Module) -> bool:
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
         if not all(isinstance(linear, torch.nn.Linear) for linear in linears):
             return False
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not hasattr(norm, "variance_epsilon") or type(norm).__name__ not in LLAMA_NORMS:
-                return False
-    return True
-
-
-#: RMSNorm classes computing exactly :func:`rms_norm` (HF's llama formula, copied into these families).
-LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+        if any(type(getattr(layer, name)).__name__ not in family.norm_classes for name in norms):
+            return False
+    return type(decoder.norm).__name__ in family.norm_classes
