@@ -219,8 +219,15 @@ def _reading(row: dict, total: float) -> str:
     return (f"The matmuls take {1000 * seconds / total:.0%} of the profiled step at {rate:.1f} GFLOP/s, "
             f"{rate / limit:.0%} of what a large matmul reaches on this core, reading their weights at {read:.1f} GB/s "
             f"({read / row['limits']['read_gbs']:.0%} of the bandwidth); attention "
-            f"{groups['attention']['ms'] / total:.0%}; the many small ops and Python {small / total:.0%} (the profiler's "
-            f"own cost, {row['profiled_step_ms'] - row['step_ms']:.0f} ms per step, lands mostly there).")
+            f"{groups['attention']['ms'] / total:.0%}; the many small ops and Python {small / total:.0%}{_profiler_cost(row)}.")
+
+
+def _profiler_cost(row: dict) -> str:
+    """What profiling added to the step (within the step's own spread when it reads as nothing or less)."""
+    added = row["profiled_step_ms"] - row["step_ms"]
+    if added < 0.5:
+        return " (the profiled step took no longer than the unprofiled one, within their spread)"
+    return f" (the profiler's own cost, {added:.0f} ms per step, lands mostly there)"
 
 
 if __name__ == "__main__":

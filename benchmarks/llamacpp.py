@@ -11,8 +11,9 @@ Weights: the default model's own GGUF (Q4_1, the file kvopt converts) and an F16
 with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and q8_0 (q8_0 needs flash attention).
 
 - ``single``: one request alone, prefill and decode tok/s at 512 / 2k / 8k-token prompts of local real text
-  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt); ``--kvopt`` and ``--hf`` time kvopt.LLM
-  and transformers' ``generate`` on the same prompts (prefill from a one-token request, decode from the rest).
+  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt); ``--kvopt`` (and each ``--kvopt-method``)
+  and ``--hf`` time kvopt.LLM and transformers' ``generate`` on the same prompts (prefill from a one-token request,
+  decode from the rest).
 - ``batched``: the serving workload of ``benchmarks/serving.py`` (its prompts: 64 windows of 100-1,000 tokens of
   local real text as token ids, 128 new tokens, greedy, EOS ignored) through llama-server's continuous batching: one
   ``llama_batch`` per step carrying every running sequence's id, ``--parallel`` slots, each decoding sequence's
@@ -222,7 +223,9 @@ def prefill(context: Context, prompt: list[int]) -> int:
 
 
 def single(args, lib, tokenizer) -> list[dict]:
-    rows = [row for dtype in filter(None, args.kvopt.split(",")) for row in kvopt_single(args, dtype, tokenizer)]
+    runs = [(dtype, "full") for dtype in filter(None, args.kvopt.split(","))]
+    runs += [tuple(entry.split("=", 1)) for entry in args.kvopt_method]
+    rows = [row for dtype, spec in runs for row in kvopt_single(args, dtype, spec, tokenizer)]
     rows += [row for dtype in filter(None, args.hf.split(",")) for row in hf_single(args, dtype, tokenizer)]
     for name, path in weight_files(args.weights).items():
         model = load_weights(lib, path)
@@ -252,18 +255,32 @@ def single(args, lib, tokenizer) -> list[dict]:
     return rows
 
 
-def kvopt_single(args, dtype: str, tokenizer) -> list[dict]:
-    """kvopt.LLM on the single prompts (prefix caching off, so each request computes its prompt)."""
+def kvopt_single(args, dtype: str, spec: str, tokenizer) -> list[dict]:
+    """kvopt.LLM with ``kv_method=spec`` on the single prompts (prefix caching off, so each request computes its
+    prompt)."""
     from kvopt.engine import LLM
 
-    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False)
-
-    def generate(prompt: list[int], tokens: int) -> None:
-        (output,) = llm.generate([prompt], serving.greedy(tokens), use_tqdm=False)
-        if output.error:  # a failed request returns at once: its time would read as a fast run
-            raise SystemExit(f"kvopt.LLM {dtype}, {len(prompt)}-token prompt: {output.error}")
-
-    return timed_singles(f"kvopt.LLM {dtype}", str(llm.engine.dtype).removeprefix("torch."), generate, args, tokenizer)
+    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False, kv_method=spec)
+    system = f"kvopt.LLM {dtype}" + ("" if spec == "full" else f" {spec}")
+    rows = []
+    for length in _ints(args.lengths):
+        (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
+        prefills, decodes = [], []
+        for _ in range(args.repeats):
+            (output,) = llm.generate([prompt], serving.greedy(args.new_tokens), use_tqdm=False)
+            if output.error:  # a failed request returns at once: its time would read as a fast run
+                raise SystemExit(f"{system}, {length}-token prompt: {output.error}")
+            metrics = output.metrics
+            prefills.append(metrics.time_to_first_token)
+            decodes.append(metrics.finished_time - metrics.first_token_time)
+        dtype_name = str(llm.engine.dtype).removeprefix("torch.")
+        rows.append({"step": "single", "system": system, "weights": dtype_name,
+                     "kv": dtype_name if spec == "full" else spec, "length": length, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                     "threads": torch.get_num_threads(), "prefill_tok_s": length / statistics.median(prefills),
+                     "decode_tok_s": (args.new_tokens - 1) / statistics.median(decodes), "timed": "per token",
+                     "conditions": args.conditions})  # fmt: skip
+        print(json.dumps(rows[-1]))
+    return rows
 
 
 def hf_single(args, dtype: str, tokenizer) -> list[dict]:
@@ -279,7 +296,9 @@ def hf_single(args, dtype: str, tokenizer) -> list[dict]:
 
 def timed_singles(system: str, dtype: str, generate, args, tokenizer) -> list[dict]:
     """One system's single-request rows: prefill tok/s from a one-token request, decode tok/s from the time a
-    ``--new-tokens`` request takes beyond it (medians of ``--repeats``)."""
+    ``--new-tokens`` request takes beyond it (medians of ``--repeats``). Only for HF ``generate``, which reports no
+    token times: at 8k tokens the prompt's run-to-run spread is a large part of the difference (kvopt.LLM's rows
+    time its tokens: first-token and finish times of each request)."""
     rows = []
     for length in _ints(args.lengths):
         (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
@@ -495,7 +514,7 @@ def main() -> None:
     parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
     parser.add_argument("--kvopt", default="", help="also kvopt.LLM in these dtypes, e.g. fp32,auto")
     parser.add_argument("--kvopt-method", action="append", default=[], metavar="DTYPE=SPEC",
-                        help="batched: also kvopt.LLM in DTYPE with kv_method SPEC (repeatable)")
+                        help="also kvopt.LLM in DTYPE with kv_method SPEC (repeatable; single and batched)")
     parser.add_argument("--hf", default="", help="also plain transformers in these dtypes (single: generate on one request; "
                         "batched: static batches of 8, then --hf-sequential requests one at a time), e.g. fp32,auto")
     parser.add_argument("--hf-sequential", type=int, default=8, help="batched: requests HF runs one at a time")
@@ -536,11 +555,22 @@ def render(rows: list[dict]) -> str:
              "ids, greedy, EOS ignored.", ""]  # fmt: skip
     singles = [row for row in rows if row["step"] == "single" and not row.get("round")]
     if singles:
+        # llama.cpp's F16 weights with f16 KV at each length, against rows of the same run only (the same conditions
+        # stated): this CPU's speed drifts between runs by more than the differences measured
+        peer = {(r["length"], r.get("conditions")): r["decode_tok_s"] for r in singles
+                if r.get("system", "llama.cpp") == "llama.cpp" and (r["weights"], r["kv"]) == ("F16", "f16")}
         lines += ["### One request at a time", "",
-                  "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s |", "|---|---|---|---:|---:|---:|"]
-        lines += [f"| {r.get('system', 'llama.cpp')} | {r['weights']} | {r['kv']} | {r['length']:,} | {r['prefill_tok_s']:.1f} | "
-                  f"{r['decode_tok_s']:.1f} |"
-                  for r in sorted(singles, key=lambda r: (r["length"], r.get("system", "llama.cpp"), r["weights"], r["kv"]))]
+                  "Decode tok/s: llama.cpp's from timing its decode calls; kvopt.LLM's from each request's first-token "
+                  "and finish times (rows marked `per token`; older rows, and HF's, subtract a one-token request's "
+                  "time from a 64-token one's, which at 8k tokens carries the prompt's run-to-run spread).", "",
+                  "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s | decode vs llama.cpp F16 (same run) |",
+                  "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sorted(singles, key=lambda r: (r["length"], r.get("system", "llama.cpp"), r["weights"], r["kv"])):
+            same_run = peer.get((r["length"], r.get("conditions")))
+            ratio = f"{r['decode_tok_s'] / same_run:.2f}x" if same_run else "–"
+            lines.append(f"| {r.get('system', 'llama.cpp')} | {r['weights']} | {r['kv']} | {r['length']:,} | "
+                         f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f}{' (per token)' if r.get('timed') else ''} | "
+                         f"{ratio} |")  # fmt: skip
         lines += [*conditions_line(singles), ""]
     many = [row for row in rows if row["step"] == "batched" and not row.get("round")]
     repeats = [row for row in rows if row["step"] == "batched" and row.get("round")]
