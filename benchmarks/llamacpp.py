@@ -11,9 +11,9 @@ Weights: the default model's own GGUF (Q4_1, the file kvopt converts) and an F16
 with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and q8_0 (q8_0 needs flash attention).
 
 - ``single``: one request alone, prefill and decode tok/s at 512 / 2k / 8k-token prompts of local real text
-  (median of ``--repeats``; decode: ``--new-tokens`` steps after the prompt); ``--kvopt`` (and each ``--kvopt-method``)
-  and ``--hf`` time kvopt.LLM and transformers' ``generate`` on the same prompts (prefill from a one-token request,
-  decode from the rest).
+  (median of ``--repeats``, run system after system in each round; decode: ``--new-tokens`` steps after the prompt);
+  ``--kvopt`` (and each ``--kvopt-method``) and ``--hf`` time kvopt.LLM (per token) and transformers' ``generate``
+  (prefill from a one-token request, decode from the rest) on the same prompts.
 - ``batched``: the serving workload of ``benchmarks/serving.py`` (its prompts: 64 windows of 100-1,000 tokens of
   local real text as token ids, 128 new tokens, greedy, EOS ignored) through llama-server's continuous batching: one
   ``llama_batch`` per step carrying every running sequence's id, ``--parallel`` slots, each decoding sequence's
@@ -34,6 +34,7 @@ import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,100 +223,110 @@ def prefill(context: Context, prompt: list[int]) -> int:
     return context.argmax(len(chunk) - 1)
 
 
+@dataclass
+class SingleRunner:
+    """One system on the single prompts: ``time(prompt)`` -> (prefill seconds, decode seconds) of one request, and
+    its row's fields. ``decode_steps``: the decode steps that time covers."""
+
+    fields: dict
+    time: Callable[[list[int]], tuple[float, float]]
+    decode_steps: int
+    #: Called once a length is done (llama.cpp frees the context it made for it).
+    done: Callable[[], None] = lambda: None
+
+
 def single(args, lib, tokenizer) -> list[dict]:
+    """Every system on each length's prompt, the repeats interleaved (system after system, round after round): this
+    CPU's speed drifts over minutes by more than the differences measured, and interleaving puts every system under
+    the same drift."""
     runs = [(dtype, "full") for dtype in filter(None, args.kvopt.split(","))]
     runs += [tuple(entry.split("=", 1)) for entry in args.kvopt_method]
-    rows = [row for dtype, spec in runs for row in kvopt_single(args, dtype, spec, tokenizer)]
-    rows += [row for dtype in filter(None, args.hf.split(",")) for row in hf_single(args, dtype, tokenizer)]
-    for name, path in weight_files(args.weights).items():
-        model = load_weights(lib, path)
-        for kv in args.kv.split(","):
-            for length in _ints(args.lengths):
-                (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
-                context = Context(lib, model, length + args.new_tokens, 1, kv, args.options)
-                prefills, decodes = [], []
-                for _ in range(args.repeats):
-                    context.forget(0)
-                    start = time.perf_counter()
-                    token = prefill(context, prompt)
-                    prefills.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    for step in range(args.new_tokens):
-                        context.decode([token], [length + step], [0], [True])
-                        token = context.argmax(0)
-                    decodes.append(time.perf_counter() - start)
-                context.close()
-                rows.append(_row(args, "single", name, kv) | {
-                    "length": length, "repeats": args.repeats,
-                    "prefill_tok_s": length / statistics.median(prefills),
-                    "decode_tok_s": args.new_tokens / statistics.median(decodes),
-                })  # fmt: skip
-                print(json.dumps(rows[-1]))
+    makers = [kvopt_single(args, dtype, spec) for dtype, spec in runs]
+    makers += [hf_single(args, dtype) for dtype in filter(None, args.hf.split(","))]
+    models = {name: load_weights(lib, path) for name, path in weight_files(args.weights).items()}
+    makers += [llamacpp_single(args, lib, model, name, kv) for name, model in models.items() for kv in args.kv.split(",")]
+    rows = []
+    for length in _ints(args.lengths):
+        (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
+        runners = [make(length) for make in makers]
+        times: list[list[tuple[float, float]]] = [[] for _ in runners]
+        for _ in range(args.repeats):
+            for runner, timed in zip(runners, times):
+                timed.append(runner.time(prompt))
+        for runner, timed in zip(runners, times):
+            runner.done()
+            rows.append(runner.fields | {"length": length, "repeats": args.repeats,
+                                         "prefill_tok_s": length / statistics.median(t[0] for t in timed),
+                                         "decode_tok_s": runner.decode_steps / statistics.median(t[1] for t in timed),
+                                         "interleaved": True})  # fmt: skip
+            print(json.dumps(rows[-1]))
+    for model in models.values():
         lib.llama_model_free(model)
     return rows
 
 
-def kvopt_single(args, dtype: str, spec: str, tokenizer) -> list[dict]:
-    """kvopt.LLM with ``kv_method=spec`` on the single prompts (prefix caching off, so each request computes its
-    prompt)."""
+def llamacpp_single(args, lib, model, name: str, kv: str) -> Callable[[int], SingleRunner]:
+    """llama.cpp with ``name`` weights and ``kv`` cache: a context per length; prefill, then each decode call, timed."""
+
+    def make(length: int) -> SingleRunner:
+        context = Context(lib, model, length + args.new_tokens, 1, kv, args.options)
+
+        def timed(prompt: list[int]) -> tuple[float, float]:
+            context.forget(0)
+            start = time.perf_counter()
+            token = prefill(context, prompt)
+            prefilled = time.perf_counter()
+            for step in range(args.new_tokens):
+                context.decode([token], [length + step], [0], [True])
+                token = context.argmax(0)
+            return prefilled - start, time.perf_counter() - prefilled
+
+        return SingleRunner(_row(args, "single", name, kv), timed, args.new_tokens, context.close)
+
+    return make
+
+
+def kvopt_single(args, dtype: str, spec: str) -> Callable[[int], SingleRunner]:
+    """kvopt.LLM with ``kv_method=spec`` (prefix caching off, so each request computes its prompt), timed per token:
+    each request's first-token and finish times."""
     from kvopt.engine import LLM
 
     llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False, kv_method=spec)
     system = f"kvopt.LLM {dtype}" + ("" if spec == "full" else f" {spec}")
-    rows = []
-    for length in _ints(args.lengths):
-        (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
-        prefills, decodes = [], []
-        for _ in range(args.repeats):
-            (output,) = llm.generate([prompt], serving.greedy(args.new_tokens), use_tqdm=False)
-            if output.error:  # a failed request returns at once: its time would read as a fast run
-                raise SystemExit(f"{system}, {length}-token prompt: {output.error}")
-            metrics = output.metrics
-            prefills.append(metrics.time_to_first_token)
-            decodes.append(metrics.finished_time - metrics.first_token_time)
-        dtype_name = str(llm.engine.dtype).removeprefix("torch.")
-        rows.append({"step": "single", "system": system, "weights": dtype_name,
-                     "kv": dtype_name if spec == "full" else spec, "length": length, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "threads": torch.get_num_threads(), "prefill_tok_s": length / statistics.median(prefills),
-                     "decode_tok_s": (args.new_tokens - 1) / statistics.median(decodes), "timed": "per token",
-                     "conditions": args.conditions})  # fmt: skip
-        print(json.dumps(rows[-1]))
-    return rows
+    dtype_name = str(llm.engine.dtype).removeprefix("torch.")
+    fields = {"step": "single", "system": system, "weights": dtype_name, "kv": dtype_name if spec == "full" else spec,
+              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "timed": "per token",
+              "conditions": args.conditions}  # fmt: skip
+
+    def timed(prompt: list[int]) -> tuple[float, float]:
+        (output,) = llm.generate([prompt], serving.greedy(args.new_tokens), use_tqdm=False)
+        if output.error:  # a failed request returns at once: its time would read as a fast run
+            raise SystemExit(f"{system}, {len(prompt)}-token prompt: {output.error}")
+        metrics = output.metrics
+        return metrics.time_to_first_token, metrics.finished_time - metrics.first_token_time
+
+    return lambda length: SingleRunner(fields, timed, args.new_tokens - 1)
 
 
-def hf_single(args, dtype: str, tokenizer) -> list[dict]:
-    """Plain transformers (:func:`hf_model`) on the single prompts: ``generate`` on one request."""
+def hf_single(args, dtype: str) -> Callable[[int], SingleRunner]:
+    """Plain transformers (:func:`hf_model`): ``generate`` on one request. It reports no token times, so prefill is a
+    one-token request's time and decode the time a ``--new-tokens`` request takes beyond it (at 8k tokens the
+    prompt's run-to-run spread is a large part of that difference)."""
     model = hf_model(dtype)
     pad = _pad_token(model)
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    fields = {"step": "single", "system": f"HF generate ({dtype})", "weights": dtype_name, "kv": dtype_name,
+              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "conditions": args.conditions}
 
-    def generate(prompt: list[int], tokens: int) -> None:
-        serving.hf_one_at_a_time(model, [prompt], tokens, pad)
-
-    return timed_singles(f"HF generate ({dtype})", str(model.dtype).removeprefix("torch."), generate, args, tokenizer)
-
-
-def timed_singles(system: str, dtype: str, generate, args, tokenizer) -> list[dict]:
-    """One system's single-request rows: prefill tok/s from a one-token request, decode tok/s from the time a
-    ``--new-tokens`` request takes beyond it (medians of ``--repeats``). Only for HF ``generate``, which reports no
-    token times: at 8k tokens the prompt's run-to-run spread is a large part of the difference (kvopt.LLM's rows
-    time its tokens: first-token and finish times of each request)."""
-    rows = []
-    for length in _ints(args.lengths):
-        (prompt,) = serving.real_prompts(tokenizer, 1, length, length, seed=length)
-        timed = {}
+    def timed(prompt: list[int]) -> tuple[float, float]:
+        seconds = []
         for tokens in (1, args.new_tokens):
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                generate(prompt, tokens)
-                times.append(time.perf_counter() - start)
-            timed[tokens] = statistics.median(times)
-        rows.append({"step": "single", "system": system, "weights": dtype, "kv": dtype, "length": length,
-                     "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                     "prefill_tok_s": length / timed[1], "decode_tok_s": (args.new_tokens - 1) / (timed[args.new_tokens] - timed[1]),
-                     "conditions": args.conditions})  # fmt: skip
-        print(json.dumps(rows[-1]))
-    return rows
+            start = time.perf_counter()
+            serving.hf_one_at_a_time(model, [prompt], tokens, pad)
+            seconds.append(time.perf_counter() - start)
+        return seconds[0], seconds[1] - seconds[0]
+
+    return lambda length: SingleRunner(fields, timed, args.new_tokens - 1)
 
 
 # -- many requests: llama-server's continuous batching ----------------------------------------
@@ -562,14 +573,18 @@ def render(rows: list[dict]) -> str:
         lines += ["### One request at a time", "",
                   "Decode tok/s: llama.cpp's from timing its decode calls; kvopt.LLM's from each request's first-token "
                   "and finish times (rows marked `per token`; older rows, and HF's, subtract a one-token request's "
-                  "time from a 64-token one's, which at 8k tokens carries the prompt's run-to-run spread).", "",
+                  "time from a 64-token one's, which at 8k tokens carries the prompt's run-to-run spread). Rows of one "
+                  "run marked `interleaved` ran their repeats system after system, round after round, so the CPU's "
+                  "drift over minutes falls on all alike.", "",
                   "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s | decode vs llama.cpp F16 (same run) |",
                   "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
         for r in sorted(singles, key=lambda r: (r["length"], r.get("system", "llama.cpp"), r["weights"], r["kv"])):
             same_run = peer.get((r["length"], r.get("conditions")))
             ratio = f"{r['decode_tok_s'] / same_run:.2f}x" if same_run else "–"
+            marks = ", ".join(mark for mark, on in (("per token", r.get("timed")), ("interleaved", r.get("interleaved")))
+                              if on)  # fmt: skip
             lines.append(f"| {r.get('system', 'llama.cpp')} | {r['weights']} | {r['kv']} | {r['length']:,} | "
-                         f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f}{' (per token)' if r.get('timed') else ''} | "
+                         f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f}{f' ({marks})' if marks else ''} | "
                          f"{ratio} |")  # fmt: skip
         lines += [*conditions_line(singles), ""]
     many = [row for row in rows if row["step"] == "batched" and not row.get("round")]

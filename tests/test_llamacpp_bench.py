@@ -45,13 +45,13 @@ def test_single_requests_list_every_system_by_length_against_llama_cpp_f16_of_th
                 "prefill_tok_s": 300.0, "decode_tok_s": decode, "threads": 1, "conditions": conditions} | more
 
     rows = [single("llama.cpp", "F16", "f16", 512, 50.0, "run two"),
-            single("kvopt.LLM auto", "bfloat16", "bfloat16", 512, 35.5, "run two", timed="per token"),
+            single("kvopt.LLM auto", "bfloat16", "bfloat16", 512, 35.5, "run two", timed="per token", interleaved=True),
             single("HF generate (auto)", "bfloat16", "bfloat16", 512, 14.0, "run one"),  # another run: no ratio
             single("llama.cpp", "F16", "f16", 2048, 40.0, "run two")]  # fmt: skip
     text = llamacpp.render(rows)
     table = text[text.index("| system | weights | KV | prompt tokens |") :].splitlines()
     assert table[2:6] == ["| HF generate (auto) | bfloat16 | bfloat16 | 512 | 300.0 | 14.0 | – |",
-                          "| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 300.0 | 35.5 (per token) | 0.71x |",
+                          "| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 300.0 | 35.5 (per token, interleaved) | 0.71x |",
                           "| llama.cpp | F16 | f16 | 512 | 300.0 | 50.0 | 1.00x |",
                           "| llama.cpp | F16 | f16 | 2,048 | 300.0 | 40.0 | 1.00x |"]  # fmt: skip
     assert "Measured with run one; run two." in text
