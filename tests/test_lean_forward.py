@@ -44,6 +44,13 @@ def test_fusing_adds_no_memory_and_leaves_hf_forward_bit_equal(arch):
     assert attention.q_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.weight.untyped_storage().data_ptr()
     with torch.no_grad():
         assert torch.equal(model(ids, attention_mask=mask).logits, before)
+    again = lean_forward_for(model)  # a second engine on the same model: the same storage, no copy
+    assert again.layers[0].qkv.weight.data_ptr() == lean.layers[0].qkv.weight.data_ptr()
+    assert again.layers[-1].gate_up.weight.data_ptr() == lean.layers[-1].gate_up.weight.data_ptr()
+    assert torch.equal(again.layers[0].qkv.weight, torch.cat([attention.q_proj.weight, attention.k_proj.weight,
+                                                             attention.v_proj.weight]))  # fmt: skip
+    if attention.q_proj.bias is not None:
+        assert again.layers[0].qkv.bias.data_ptr() == lean.layers[0].qkv.bias.data_ptr()
 
 
 def hf_forward_engine(model, **options) -> LLM:

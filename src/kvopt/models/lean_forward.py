@@ -82,17 +82,18 @@ FAMILIES: dict[str, Family] = {
 
 
 def fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
-    """One linear computing ``linears`` side by side; their weights (and biases) become views of its own.
+    """One linear computing ``linears`` side by side; their weights (and biases) become views of its own (fusing
+    them again, for a second engine on the same model, reuses that storage).
 
     The fused module has the class of the first (a packed bf16 linear stays one, packing its fused weight on
     first use); the originals' packed copies, if any, are dropped, to be rebuilt only if HF's forward runs them.
     """
     first = linears[0]
-    weight = torch.cat([linear.weight.detach() for linear in linears])
+    weight = _side_by_side([linear.weight.detach() for linear in linears])
     has_bias = [linear.bias is not None for linear in linears]
     if any(has_bias) and not all(has_bias):
         raise ValueError("fuse_linears: some linears have a bias and some do not")
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if all(has_bias) else None
+    bias = _side_by_side([linear.bias.detach() for linear in linears]) if all(has_bias) else None
     fused = torch.nn.Linear(first.in_features, weight.shape[0], bias=bias is not None, device="meta")
     fused.__class__ = type(first)
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -111,6 +112,19 @@ def fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
         if hasattr(first, name):
             setattr(fused, name, None)
     return fused
+
+
+def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; a view, not a copy, when the parts already lie one after another in one storage (fused
+    before: a second engine on the same model adds no weights)."""
+    first, rows = parts[0], sum(part.shape[0] for part in parts)
+    offset = first.storage_offset()
+    for part in parts:
+        if (part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or part.dtype != first.dtype
+                or not part.is_contiguous() or part.storage_offset() != offset):  # fmt: skip
+            return torch.cat(parts)
+        offset += part.numel()
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 class LeanLayer:
