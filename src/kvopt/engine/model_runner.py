@@ -19,7 +19,7 @@ from kvopt.engine.kv.paged import PagedCache, PagedKVPool, StepPlan
 from kvopt.engine.scheduler import ScheduledBatch
 from kvopt.models.forward import cache_kwargs
 from kvopt.models.info import ModelInfo
-from kvopt.models.lean_forward import lean_forward_for
+from kvopt.models.lean_forward import in_row_slices, lean_forward_for
 
 
 class ModelRunner:
@@ -119,7 +119,7 @@ class ModelRunner:
             yield
             return
         for mlp in self.mlps:
-            mlp.forward = partial(_in_row_slices, type(mlp).forward.__get__(mlp), self.mlp_rows)
+            mlp.forward = partial(in_row_slices, type(mlp).forward.__get__(mlp), self.mlp_rows)
         try:
             yield
         finally:
@@ -128,8 +128,3 @@ class ModelRunner:
 
 #: Most tokens an MLP computes at once in an engine step on a CPU (see ``ModelRunner._mlps_in_row_slices``).
 MLP_ROWS = 1024
-
-
-def _in_row_slices(forward, rows: int, hidden: torch.Tensor) -> torch.Tensor:
-    """``forward(hidden)`` computed over slices of at most ``rows`` tokens (the second-to-last axis)."""
-    return torch.cat([forward(part) for part in hidden.split(rows, dim=-2)], dim=-2)

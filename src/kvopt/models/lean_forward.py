@@ -127,6 +127,14 @@ def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+def in_row_slices(forward: Callable[[torch.Tensor], torch.Tensor], rows: int | None, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward(hidden)`` computed over slices of at most ``rows`` tokens (the second-to-last axis; None: whole), for
+    a forward that acts on each token alone."""
+    if rows is None or hidden.shape[-2] <= rows:
+        return forward(hidden)
+    return torch.cat([forward(part) for part in hidden.split(rows, dim=-2)], dim=-2)
+
+
 class LeanLayer:
     """One decoder layer's weights, fused, and its forward over a flattened ``[tokens, hidden]`` batch."""
 
@@ -162,11 +170,9 @@ class LeanLayer:
         attended = attend(self.attention, rotated[:, : self.heads], rotated[:, self.heads :], value, self.scaling,
                           self.window, self.softcap)  # fmt: skip
         hidden = hidden + self._out(self.o_proj(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
-        normed = self.norm(hidden, self.mlp_norm)
-        if self.mlp_rows is None or tokens <= self.mlp_rows:
-            return hidden + self._out(self._mlp(normed), self.mlp_out_norm)
         # a long chunk's MLP activations spill out of the CPU's caches: computed in slices (ModelRunner.MLP_ROWS)
-        return hidden + self._out(torch.cat([self._mlp(part) for part in normed.split(self.mlp_rows)]), self.mlp_out_norm)
+        mlp = in_row_slices(self._mlp, self.mlp_rows, self.norm(hidden, self.mlp_norm))
+        return hidden + self._out(mlp, self.mlp_out_norm)
 
     def _out(self, output: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
         return output if norm is None else self.norm(output, norm)
