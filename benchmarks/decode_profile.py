@@ -42,7 +42,9 @@ PACKED_LINEAR = "mkldnn::_linear_pointwise"
 #: The CPU flash kernel (the decode path calls it directly), whose shapes give its FLOPs and bytes.
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 #: Attention's other ops: SDPA's dispatcher and the log-sum-exp parts (their self time only; no FLOPs counted).
-ATTENTION = {FLASH, "aten::scaled_dot_product_attention", "aten::bmm", "aten::logsumexp", "aten::_softmax"}
+#: kvopt's CPU decode kernel (kvopt.kernels.cpu): its shapes show the pool, not what it read (see ``profile``).
+DECODE_KERNEL = "kvopt_cpu::decode_attention"
+ATTENTION = {FLASH, DECODE_KERNEL, "aten::scaled_dot_product_attention", "aten::bmm", "aten::logsumexp", "aten::_softmax"}
 
 
 def limits(dtype: torch.dtype = torch.float32, repeats: int = 5, read_mb: int = 512) -> dict[str, float]:
@@ -121,6 +123,14 @@ def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
         total["flops"] += flops * event.count / steps
         total["bytes"] += read * event.count / steps
         total["calls"] += event.count / steps
+    kernel_calls = sum(event.count for event in profiler.key_averages() if event.key == DECODE_KERNEL) / steps
+    if kernel_calls:  # one call per layer reads every decoding sequence's keys and values once
+        config = core.model.config.get_text_config()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        keys = sum(len(seq) for seq in scheduler.running) * kernel_calls
+        totals["attention"]["flops"] += 4.0 * heads * keys * dim
+        totals["attention"]["bytes"] += 2.0 * element * kv_heads * keys * dim
     inside = sum(total["seconds"] for total in totals.values())
     totals["outside torch ops"]["seconds"] = max(0.0, profiled - inside)
     step_seconds = statistics.median(wall)

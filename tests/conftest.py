@@ -59,21 +59,26 @@ def generate_rows_alone(model, spec: str, lengths: list[int], seed: int, new_tok
     return cache, alone, width
 
 
+def tiny_llama(tokenizer, **sizes) -> LlamaForCausalLM:
+    """A random 2-layer llama for ``tokenizer`` (seeded), prepared for kvopt; ``sizes`` override its shape."""
+    from kvopt.cache.attention import prepare
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2} | sizes
+    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=2, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, **shape)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    prepare(model)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_with_tokenizer():
     """A tiny random llama sized to the default model's real tokenizer (prompts need real text)."""
-    from kvopt.cache.attention import prepare
     from kvopt.models import load_tokenizer
 
     tokenizer = load_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
-    prepare(model)
-    return model, tokenizer
+    return tiny_llama(tokenizer), tokenizer
 
 
 @pytest.fixture(scope="session")

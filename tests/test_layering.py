@@ -4,7 +4,8 @@ Layers, bottom first; a part imports parts of lower layers only (not its own lay
 
     errors, _version, local_text,  errors, the version, the best prose on this machine, embedded word lists:
     words                          import nothing
-    paths, kernels, tiers          file places; kernels take plain tensors; tiers hold bytes
+    paths, tiers                   file places (the cache folder); tiers hold bytes
+    kernels                        take plain tensors (the CPU kernel is built into the cache folder)
     models                         model shape facts and loading; knows no kvopt storage
     cache                          storage and kvopt's attention
     methods                        what to keep and how to encode it, acting on cache storage
@@ -35,7 +36,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvopt"
 FACE = "kvopt"
 LAYERS = [
     ("errors", "_version", "local_text", "words"),
-    ("paths", "kernels", "tiers"),
+    ("paths", "tiers"),
+    ("kernels",),
     ("models",),
     ("cache",),
     ("methods",),
@@ -150,6 +152,6 @@ def test_the_check_sees_lazy_relative_and_face_imports_and_skips_type_only_ones(
     graph = package_imports(root)
     assert set(graph["cache"]) == {"api", FACE, "models"}
     assert back_pointing(graph) == [
-        f"cache/sample.py imports kvopt.__version__ (layer 3 -> {LAYER_OF[FACE]})",
-        "cache/sample.py imports kvopt.api.build_cache (layer 3 -> 6)",
+        f"cache/sample.py imports kvopt.__version__ (layer {LAYER_OF['cache']} -> {LAYER_OF[FACE]})",
+        f"cache/sample.py imports kvopt.api.build_cache (layer {LAYER_OF['cache']} -> {LAYER_OF['api']})",
     ]

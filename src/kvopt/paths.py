@@ -12,6 +12,11 @@ from pathlib import Path
 from kvopt.errors import KVOptError
 
 
+def cache_root() -> Path:
+    """``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), as it is: for reading what is kept there."""
+    return Path(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt").expanduser()
+
+
 def writable_folder(path: str | os.PathLike, what: str) -> Path:
     """``path`` (``~`` expanded) as an existing folder this process can write into, created if missing.
 

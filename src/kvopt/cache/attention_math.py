@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvopt.kernels import cpu as cpu_kernels
+
 
 def default_scale(query: torch.Tensor, scaling: float | None) -> float:
     """The logit scale: the model's ``scaling``, else ``head_dim ** -0.5`` (HF passes None for the default)."""
@@ -290,3 +292,24 @@ def cpu_flash(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     """``(output, lse)`` of unmasked attention over ``[B, H, q, D]`` inputs of one dtype with equal head counts:
     the output in that dtype, the log-sum-exp in fp32 (bf16 inputs accumulate in fp32 inside the kernel)."""
     return _CPU_FLASH(query, keys, values, scale=scale)[:2]
+
+
+def decode_kernel_serves(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`decode_over_runs` serves a paged pool of this shape on ``device`` (the CPU kernel of
+    :mod:`kvopt.kernels.cpu`, built here on first asking; False where it cannot be)."""
+    return torch.device(device).type == "cpu" and cpu_kernels.decode_attention_serves(dtype, head_dim, heads // kv_heads)
+
+
+def decode_over_runs(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: torch.Tensor, offsets: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One query per sequence over its slots of a pool, all visible, through the CPU decode kernel (where
+    :func:`decode_kernel_serves`): ``query [S, heads, D]``, ``keys``/``values [kv_heads, slots, D]``, sequence
+    ``s`` reading runs ``offsets[s]:offsets[s+1]`` of ``runs [R, 2]`` (``(start, stop)``). Returns the output
+    ``[S, heads, D]`` and log-sum-exp ``[S, heads]``, fp32 (accumulated in fp32 whatever the pool's dtype)."""
+    count, heads, dim = query.shape
+    kv_heads = keys.shape[0]
+    folded = query.float().reshape(count, kv_heads, heads // kv_heads, dim).contiguous()
+    output, lse = cpu_kernels.decode_attention()(folded, keys, values, runs, offsets, scale)
+    return output.view(count, heads, dim), lse.view(count, heads)

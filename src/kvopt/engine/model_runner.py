@@ -34,6 +34,9 @@ class ModelRunner:
         self.pool = PagedKVPool(info, num_blocks, block_size, dtype, self.device)
         self.cache = PagedCache(self.pool, info)
         self.num_kv_heads = info.num_kv_heads
+        #: Decoding sequences attend through the CPU decode kernel (built here, at start, on a first run).
+        self.decode_kernel = attention_math.decode_kernel_serves(self.device, dtype, info.num_heads, info.num_kv_heads,
+                                                                 info.head_dim)  # fmt: skip
         self.mlp_rows = MLP_ROWS if self.device.type == "cpu" else None
         #: The llama-shaped families' forward without HF's per-op layer code (None: HF's forward serves).
         self.lean = lean_forward_for(model, self.mlp_rows)
@@ -78,7 +81,7 @@ class ModelRunner:
             row += count
         if not ids:
             return torch.cat(sampled)
-        self.cache.batch = plan.build(row, attention_math.decode_pieces(self.num_kv_heads))
+        self.cache.batch = plan.build(row, attention_math.decode_pieces(self.num_kv_heads), self.decode_kernel)
         try:
             logits = self._forward(ids, positions, logit_rows).float()
         finally:

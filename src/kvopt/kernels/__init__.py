@@ -1,4 +1,5 @@
-"""Fused GPU kernels (Triton) behind the storage layer's reads; torch code stays the reference and the fallback.
+"""Kernels behind the storage layer's reads: fused GPU kernels (Triton, switched here) and a CPU decode-attention
+kernel (C++, :mod:`kvopt.kernels.cpu`); torch code stays the reference and the fallback.
 
 On an accelerator a decode step of a small model is bound by launching kernels, not by the bytes it
 reads (BENCHMARKS.md, "On a GPU": ``full`` kept an H200 busy 4.2 of the 26.5 ms a step took). A

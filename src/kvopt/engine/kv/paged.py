@@ -91,9 +91,15 @@ class DecodeGroup:
     #: Members (positions in ``members``) that also attend over quantized groups, and those groups read together
     #: (:meth:`~kvopt.engine.kv.compressed.CodedTokens.batches`: by code format and similar length).
     coded: list[tuple[list[int], CodedTokens]] = field(default_factory=list)
+    #: Instead of spans and tails, for the CPU decode kernel (:func:`~kvopt.cache.attention_math.decode_over_runs`):
+    #: every member's runs of slots ``[R, 2]`` and where each member's start ``[S + 1]``.
+    runs: torch.Tensor | None = None
+    run_offsets: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, sequences: list[SequenceSlots], device, pieces: int = 1) -> DecodeGroup | None:
+    def of(cls, sequences: list[SequenceSlots], device, pieces: int = 1, over_runs: bool = False) -> DecodeGroup | None:
+        """The step's decoding sequences, read as ``pieces`` views of each one's longest run plus a gathered tail
+        (PyTorch's flash kernel), or ``over_runs`` (the CPU decode kernel reads every run in place)."""
         members = [i for i, seq in enumerate(sequences) if seq.end - seq.first == 1 and not seq.fresh]
         if not members:
             return None
@@ -104,6 +110,13 @@ class DecodeGroup:
             batches = type(codes[0]).batches(codes)  # their class: kv/compressed.py imports this module
             coded = [([with_codes[index] for index in indices], batch) for indices, batch in batches]
         rows = torch.tensor([sequences[i].first for i in members], device=device)
+        if over_runs:
+            runs = [run for i in members for run in sequences[i].runs]
+            offsets = [0]
+            for i in members:
+                offsets.append(offsets[-1] + len(sequences[i].runs))
+            table = torch.tensor(runs, dtype=torch.long).view(-1, 2)  # read on the CPU, where the kernel runs
+            return cls(members, rows, [], 1, None, None, coded, table, torch.tensor(offsets, dtype=torch.long))
         spans, tails = [], []
         for i in members:
             (start, stop), tail = sequences[i].main, sequences[i].rest
@@ -116,7 +129,10 @@ class DecodeGroup:
         longest = max((t.numel() for t in tails if t is not None), default=0)
         if not longest:
             return cls(members, rows, spans, pieces, None, None, coded)
-        rest = torch.zeros(len(members), longest, dtype=torch.long, device=device)
+        # padding reads a slot of the member's own context: masked keys weigh 0, but 0 x a stale NaN in a slot no
+        # sequence owns (what padding with slot 0 read) is NaN
+        own_slot = [sequences[i].main[0] if tail is None else int(tail[0]) for i, tail in zip(members, tails)]
+        rest = torch.tensor(own_slot, dtype=torch.long, device=device)[:, None].repeat(1, longest)
         valid = torch.zeros(len(members), 1, 1, longest, dtype=torch.bool, device=device)
         for index, tail in enumerate(tails):
             if tail is not None:
@@ -183,14 +199,15 @@ class StepPlan:
         self.new_slots.append(slots_of(last_tokens(runs, count), "cpu"))  # one copy to the device in build()
         self.stored_rows.extend(range(row, row + count))
 
-    def build(self, rows: int, pieces: int) -> PagedBatch:
-        """The per-step context of a batch of ``rows`` tokens (decodes cut into ``pieces`` per sequence)."""
+    def build(self, rows: int, pieces: int, over_runs: bool = False) -> PagedBatch:
+        """The per-step context of a batch of ``rows`` tokens (decodes cut into ``pieces`` per sequence, or read
+        ``over_runs`` by the CPU decode kernel)."""
         device = self.device
         empty = torch.zeros(0, dtype=torch.long, device=device)
         slot_mapping = torch.cat(self.new_slots).to(device) if self.new_slots else empty
         all_stored = len(self.stored_rows) == rows
         stored = None if all_stored else torch.tensor(self.stored_rows, dtype=torch.long, device=device)
-        decodes = DecodeGroup.of(self.sequences, device, pieces)
+        decodes = DecodeGroup.of(self.sequences, device, pieces, over_runs)
         return PagedBatch(slot_mapping, self.sequences, decodes, stored, self.compressed, self.own)
 
 
@@ -342,21 +359,49 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
 
 def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int) -> torch.Tensor:
     """Every single-query sequence at once, compressed ones' quantized groups (layer ``layer``) included: ``[S, heads, dim]``
-    from the step's token-major ``query [tokens, heads, dim]``.
+    from the step's token-major ``query [tokens, heads, dim]``."""
+    group = batch.decodes
+    heads, dim = query.shape[1], query.shape[-1]
+    count, kv_heads = len(group.members), keys.shape[0]
+    scale = attention_math.default_scale(query, scaling)
+    # [S, heads, dim] (``query`` is token-major: a pure decode step's rows are all its members)
+    stored = query if query.shape[0] == count else query.index_select(0, group.rows)
+    if group.runs is not None:
+        output, lse = attention_math.decode_over_runs(stored, keys, values, group.runs, group.run_offsets, scale)
+        if not group.coded:
+            return output.to(query.dtype)
+        output, lse = output[:, None], lse[:, None]
+    else:
+        output, lse = _flash_decode_parts(stored, keys, values, group, scale)
+        if output.shape[1] == 1 and not group.coded:  # one part per sequence: nothing to merge
+            return output[:, 0].to(query.dtype)
+        output, lse = output.float(), lse
+    if group.coded:  # one more piece: the coded members' groups, nothing for the others
+        queries = stored.float()
+        piece, piece_lse = output.new_zeros(count, heads, dim), lse.new_full((count, heads), float("-inf"))
+        for positions, codes in group.coded:
+            out, out_lse = codes.attend(layer, queries[positions, :, None], scale, None)
+            piece[positions], piece_lse[positions] = out[:, :, 0], out_lse[:, :, 0]
+        output = torch.cat([output, piece[:, None]], dim=1)
+        lse = torch.cat([lse, piece_lse[:, None]], dim=1)
+    if output.shape[1] == 1:
+        return output[:, 0].to(query.dtype)
+    merged, _ = attention_math.merge_pieces(output, lse, axis=1)
+    return merged.to(query.dtype)
+
+
+def _flash_decode_parts(stored, keys, values, group: DecodeGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' attention over their pool slots through PyTorch's flash kernel, as parts to merge:
+    ``[S, parts, heads, dim]`` (the model's dtype) and their log-sum-exp ``[S, parts, heads]``.
 
     Per sequence one flash call over its longest run, read in place and cut into
     ``group.pieces`` views that the kernel's threads share (its work units are batch x KV
     heads: 3 KV heads on 2 threads left one idle half the time; as 2 pieces the same keys
     ran ~15% faster, measured); then one call over all the tails (the blocks each allocated
-    later, gathered and padded together) and one log-sum-exp merge for all, instead of a
-    dozen small ops per sequence and layer.
+    later, gathered and padded together), instead of a dozen small ops per sequence and layer.
     """
-    group = batch.decodes
-    heads, dim = query.shape[1], query.shape[-1]
-    kv_heads, pieces, count = keys.shape[0], group.pieces, len(group.members)
-    scale = attention_math.default_scale(query, scaling)
-    # [S, heads, dim], in the model's dtype (``query`` is token-major: a pure decode step's rows are all its members)
-    stored = query if query.shape[0] == len(group.members) else query.index_select(0, group.rows)
+    count, heads, dim = stored.shape
+    kv_heads, pieces = keys.shape[0], group.pieces
     # the flash kernel reads the pool in its own dtype (bf16 accumulates in fp32 inside): converting each
     # sequence's keys first cost more than the attention itself at a few hundred tokens (measured)
     folded = stored.to(keys.dtype).reshape(count, kv_heads, heads // kv_heads, dim)
@@ -374,28 +419,16 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
             out, lse = attention_math.cpu_flash(member_query, run_keys, run_values, scale)
         outputs.append(out)
         lses.append(lse)
-    if pieces == 1 and group.rest is None and not group.coded:  # one part per sequence: nothing to merge
-        return torch.cat(outputs).reshape(count, heads, dim).to(query.dtype)
-    output = torch.stack(outputs).reshape(count, pieces, heads, dim).float()
+    output = torch.stack(outputs).reshape(count, pieces, heads, dim)
     lse = torch.stack(lses).reshape(count, pieces, heads)
-    queries = stored.float()
-    if group.rest is not None:
-        tail_keys = keys.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
-        tail_values = values.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
-        tail, tail_lse = attention_math.attention_with_lse(queries[:, :, None], tail_keys, tail_values, group.rest_valid, scale)
-        output = torch.cat([output, tail[:, None, :, 0]], dim=1)
-        lse = torch.cat([lse, tail_lse[:, None, :, 0]], dim=1)
-    if group.coded:  # one more piece: the coded members' groups, nothing for the others
-        piece, piece_lse = output.new_zeros(count, heads, dim), lse.new_full((count, heads), float("-inf"))
-        for positions, codes in group.coded:
-            out, out_lse = codes.attend(layer, queries[positions, :, None], scale, None)
-            piece[positions], piece_lse[positions] = out[:, :, 0], out_lse[:, :, 0]
-        output = torch.cat([output, piece[:, None]], dim=1)
-        lse = torch.cat([lse, piece_lse[:, None]], dim=1)
-    if output.shape[1] == 1:
-        return output[:, 0].to(query.dtype)
-    merged, _ = attention_math.merge_pieces(output, lse, axis=1)
-    return merged.to(query.dtype)
+    if group.rest is None:
+        return output, lse
+    tail_keys = keys.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
+    tail_values = values.index_select(1, group.rest.flatten()).view(kv_heads, *group.rest.shape, dim).transpose(0, 1)
+    tail, tail_lse = attention_math.attention_with_lse(stored.float()[:, :, None], tail_keys, tail_values,
+                                                       group.rest_valid, scale)  # fmt: skip
+    output = torch.cat([output.float(), tail[:, None, :, 0]], dim=1)
+    return output, torch.cat([lse, tail_lse[:, None, :, 0]], dim=1)
 
 
 def _run_pieces(pool_tensor: torch.Tensor, start: int, length: int, pieces: int) -> torch.Tensor:
