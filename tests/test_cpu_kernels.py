@@ -78,6 +78,53 @@ def test_kernel_equals_softmax_attention_over_scattered_runs(kernel, dtype, head
     torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_coded_kernel_equals_attention_over_the_dequantized_groups(kernel, bits, dtype):
+    """KIVI's groups written into code blocks by the engine's own format, read in place by the kernel: equal to
+    softmax attention (float64) over the same groups gathered and dequantized by the torch path."""
+    from kvopt.engine.kv.compressed import CodeFormat
+    from kvopt.models.info import ModelInfo
+
+    info = ModelInfo(num_layers=1, num_heads=6, num_kv_heads=2, head_dim=64)
+    code_format = CodeFormat.probe(info, dtype, 16, bits, 32, "channel")
+    assert code_format.kernel_layout is not None
+
+    class Pool:  # one layer's key and value pools, as the engine's PagedKVPool lays them out
+        keys = [torch.zeros(2, 64 * 16, 64, dtype=dtype)]
+        values = [torch.zeros(2, 64 * 16, 64, dtype=dtype)]
+
+    from kvopt.cache.quantized import QuantizedKV
+
+    counts = [3, 1, 5]  # groups per sequence; rows padded to the longest with a repeated real group
+    free = torch.randperm(64).tolist()
+    blocks, records = [], []
+    for count in counts:
+        keys, values = torch.randn(1, 2, count * 32, 64) * 2, torch.randn(1, 2, count * 32, 64)
+        positions = torch.arange(count * 32, dtype=torch.int32).expand(1, 2, -1)
+        valid = torch.ones(1, 2, count * 32, dtype=torch.bool)
+        part = QuantizedKV.encode(keys.to(dtype), values.to(dtype), positions, valid, bits, 32, "channel")
+        where = code_format.locate([free.pop() for _ in range(code_format.blocks_for(count))], 0, count, "cpu")
+        code_format.write(Pool, 0, part, where)
+        blocks.append(torch.cat([where[0], where[0][:1].expand(max(counts) - count)]))
+        records.append(torch.cat([where[1], where[1][:1].expand(max(counts) - count)]))
+    blocks, records = torch.stack(blocks), torch.stack(records)
+    query = torch.randn(len(counts), 6, 64)
+    from kvopt.engine.kv.compressed import CodedTokens
+
+    valid = (torch.arange(max(counts) * 32) < torch.tensor(counts)[:, None] * 32)[:, None]
+    groups = CodedTokens(Pool, code_format, (blocks, records), valid).group_records(0)
+    assert groups.counts.tolist() == counts
+    output, lse = attention_math.decode_over_codes(query, Pool.keys[0], Pool.values[0], groups, 0.125)
+    for s, count in enumerate(counts):
+        part = code_format.read(Pool, 0, (blocks[s, :count], records[s, :count]))
+        keys, values = (tensor.double()[0] for tensor in part.dequantize(dtype=torch.float32))  # [kv_heads, T, D]
+        scores = query[s].double().view(2, 3, 64) @ keys.transpose(-1, -2) * 0.125
+        expected = (torch.softmax(scores, -1) @ values).reshape(6, 64)
+        torch.testing.assert_close(output[s].double(), expected, atol=2e-6, rtol=2e-5)
+        torch.testing.assert_close(lse[s].double(), torch.logsumexp(scores, -1).reshape(6), atol=2e-5, rtol=1e-6)
+
+
 def test_kernel_is_exact_where_one_score_dominates(kernel):
     """Scores hundreds apart (exp underflows to 0 for all but one key) and equal scores (a uniform average)."""
     keys = torch.zeros(1, 64, 64)
@@ -110,7 +157,7 @@ def test_a_failed_build_warns_once_and_the_flash_kernel_serves(monkeypatch):
         raise RuntimeError("Error building extension 'kvopt_cpu': c++: command not found")
 
     monkeypatch.setattr(cpu, "_build", broken)
-    cpu.decode_attention.cache_clear()
+    cpu._library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="cannot be built on this machine.*command not found.*KVOPT_CPU_KERNELS=0"):
             assert cpu.decode_attention() is None
@@ -119,17 +166,17 @@ def test_a_failed_build_warns_once_and_the_flash_kernel_serves(monkeypatch):
             assert cpu.decode_attention() is None  # warned once: the answer is kept
             assert not attention_math.decode_kernel_serves("cpu", torch.float32, 4, 2, 64)
     finally:
-        cpu.decode_attention.cache_clear()
+        cpu._library.cache_clear()
 
 
 def test_switched_off_nothing_is_built(monkeypatch):
     monkeypatch.setenv(cpu.ENV_SWITCH, "off")
     monkeypatch.setattr(cpu, "_build", lambda: pytest.fail("built although switched off"))
-    cpu.decode_attention.cache_clear()
+    cpu._library.cache_clear()
     try:
         assert cpu.decode_attention() is None
     finally:
-        cpu.decode_attention.cache_clear()
+        cpu._library.cache_clear()
 
 
 def test_the_build_is_kept_per_source_torch_and_cpu(monkeypatch):
@@ -154,7 +201,7 @@ PROMPTS = ["the cat sat on the mat " * 9, "a b c d e f g " * 23, "the cat sat on
 def engine_outputs(model, tokenizer, kernel_on: bool, monkeypatch, kv_method: str = "full") -> list:
     from kvopt.engine import LLM, SamplingParams
 
-    monkeypatch.setattr(attention_math, "decode_kernel_serves", lambda *args: kernel_on)
+    monkeypatch.setattr(cpu, "_library", lambda: kernel_on)  # both ops, or PyTorch's kernels
     # small blocks and prefix caching (on by default): the shared prompt's blocks are reused, runs come in pieces
     llm = LLM(model, tokenizer=tokenizer, kv_memory="8MB", block_size=4, max_num_seqs=3, kv_method=kv_method)
     assert llm.engine.runner.decode_kernel is kernel_on
@@ -180,14 +227,38 @@ def test_engine_through_the_kernel_equals_hf_generate_in_fp32(kernel, wide_heads
         torch.testing.assert_close(chosen_logprobs(output), chosen_logprobs(flash_output), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kv_method", ["kivi:bits=4,residual=16,group=16", "h2o:budget=48"])
+@pytest.mark.parametrize("kv_method", ["kivi:bits=4,residual=16,group=16", "kivi:bits=2,residual=32,group=32", "h2o:budget=48"])
 def test_compressed_sequences_through_the_kernel_equal_them_through_flash(kernel, wide_heads, monkeypatch, kv_method):
-    """A compressed sequence's kept slots go through the kernel and its quantized groups through their own read,
-    merged: the same tokens as through the flash kernel, log-probabilities within 1e-5 (fp32)."""
+    """A compressed sequence's kept slots and its quantized groups (read in place from their records) go through the
+    kernels: the same tokens as through PyTorch's kernels, log-probabilities within 1e-5 (fp32)."""
     model, tokenizer = wide_heads
     through_kernel = engine_outputs(model, tokenizer, True, monkeypatch, kv_method)
     through_flash = engine_outputs(model, tokenizer, False, monkeypatch, kv_method)
     for output, flash_output in zip(through_kernel, through_flash):
+        assert output.token_ids == flash_output.token_ids
+        torch.testing.assert_close(chosen_logprobs(output), chosen_logprobs(flash_output), atol=1e-5, rtol=0)
+
+
+def test_a_step_mixing_quantized_and_lossless_sequences_reads_all_in_one_call(kernel, wide_heads, monkeypatch):
+    """Requests with and without KIVI decode in the same steps: the kernel reads the quantized members' groups
+    beside every member's slots in one call per layer (no merge), with the tokens PyTorch's kernels give."""
+    from kvopt.engine import LLM, SamplingParams
+
+    model, tokenizer = wide_heads
+    calls = []
+    original = attention_math.decode_over_runs
+    monkeypatch.setattr(attention_math, "decode_over_runs",
+                        lambda *args, **kwargs: calls.append(args[6] if len(args) > 6 else None) or original(*args, **kwargs))
+    outputs = {}
+    for kernel_on in (True, False):
+        monkeypatch.setattr(cpu, "_library", lambda on=kernel_on: on)
+        llm = LLM(model, tokenizer=tokenizer, kv_memory="8MB", block_size=4, max_num_seqs=3)
+        methods = ["kivi:bits=4,residual=16,group=16", "full", "kivi:bits=4,residual=16,group=16"]
+        params = [SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True, kv_method=method)
+                  for method in methods]  # fmt: skip
+        outputs[kernel_on] = [output.outputs[0] for output in llm.generate(PROMPTS, params)]
+    assert any(groups is not None and groups.counts.tolist().count(0) == 1 for groups in calls)
+    for output, flash_output in zip(outputs[True], outputs[False]):
         assert output.token_ids == flash_output.token_ids
         torch.testing.assert_close(chosen_logprobs(output), chosen_logprobs(flash_output), atol=1e-5, rtol=0)
 

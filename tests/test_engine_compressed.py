@@ -73,6 +73,33 @@ def test_engine_equals_generate_with_the_same_cache(arch, spec, models):
     assert_pool_empty(llm)
 
 
+def test_decode_steps_where_kivi_has_nothing_to_quantize_build_no_layer(models, monkeypatch):
+    """KIVI acts when its residual fills: on the other decode steps the engine asks it (idle_after_attention) and
+    skips its after_attention; the outputs still equal generate's (above), and it still quantizes on time."""
+    from kvopt.methods.kivi import KIVI
+
+    calls = []
+    original = KIVI.after_attention
+    def counted(self, layer, step) -> None:
+        calls.append(len(layer.store))
+        original(self, layer, step)
+
+    monkeypatch.setattr(KIVI, "after_attention", counted)
+    spec = "kivi:bits=4,residual=32"
+    model = models["llama"]
+    llm = LLM(copy.deepcopy(model), kv_method=spec, kv_memory="4MB")
+    new_tokens = 40
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    prompt = prompts([50])[0]
+    output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine_calls = list(calls)
+    assert output == generate_with_cache(model, spec, prompt, new_tokens)
+    layers = model.config.num_hidden_layers
+    decode_calls = engine_calls[layers:]  # after the prompt's pass, one per layer
+    assert decode_calls and all(held >= 32 for held in decode_calls)  # only where the residual filled
+    assert len(decode_calls) < layers * (new_tokens - 1) // 4
+
+
 def test_methods_chosen_per_request(models):
     """One lossless engine serves requests naming their own methods; each equals its own reference."""
     model = models["llama"]

@@ -9,6 +9,8 @@ query axis, never expanded in storage), positions and masks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -300,16 +302,51 @@ def decode_kernel_serves(device: torch.device | str, dtype: torch.dtype, heads: 
     return torch.device(device).type == "cpu" and cpu_kernels.decode_attention_serves(dtype, head_dim, heads // kv_heads)
 
 
+@dataclass(frozen=True)
+class GroupRecords:
+    """Quantized groups the CPU decode kernel reads in place (:func:`decode_over_runs`): one layer's code pools as
+    bytes ``[kv_heads, blocks, block bytes]``, where each sequence's groups lie (``blocks``/``records [S, G]``, the
+    first ``counts [S]`` of each row real) and how a record is laid out
+    (:attr:`~kvopt.engine.kv.compressed.CodeFormat.kernel_layout`)."""
+
+    key_records: torch.Tensor
+    value_records: torch.Tensor
+    blocks: torch.Tensor
+    records: torch.Tensor
+    counts: torch.Tensor
+    layout: list[int]
+
+
 def decode_over_runs(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: torch.Tensor, offsets: torch.Tensor,
-    scale: float,
+    scale: float, groups: GroupRecords | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One query per sequence over its slots of a pool, all visible, through the CPU decode kernel (where
-    :func:`decode_kernel_serves`): ``query [S, heads, D]``, ``keys``/``values [kv_heads, slots, D]``, sequence
-    ``s`` reading runs ``offsets[s]:offsets[s+1]`` of ``runs [R, 2]`` (``(start, stop)``). Returns the output
-    ``[S, heads, D]`` and log-sum-exp ``[S, heads]``, fp32 (accumulated in fp32 whatever the pool's dtype)."""
+    """One query per sequence over its slots of a pool, all visible (and over its quantized ``groups``, if any),
+    through the CPU decode kernel (where :func:`decode_kernel_serves`): ``query [S, heads, D]``,
+    ``keys``/``values [kv_heads, slots, D]``, sequence ``s`` reading runs ``offsets[s]:offsets[s+1]`` of ``runs [R,
+    2]`` (``(start, stop)``). Returns the output ``[S, heads, D]`` and log-sum-exp ``[S, heads]``, fp32 (accumulated
+    in fp32 whatever the pool's dtype), every part merged."""
     count, heads, dim = query.shape
     kv_heads = keys.shape[0]
     folded = query.float().reshape(count, kv_heads, heads // kv_heads, dim).contiguous()
-    output, lse = cpu_kernels.decode_attention()(folded, keys, values, runs, offsets, scale)
+    code_args = () if groups is None else (groups.key_records, groups.value_records, groups.blocks.contiguous(),
+                                           groups.records.contiguous(), groups.counts.contiguous(), groups.layout)  # fmt: skip
+    output, lse = cpu_kernels.decode_attention()(folded, keys, values, runs, offsets, scale, *code_args)
     return output.view(count, heads, dim), lse.view(count, heads)
+
+
+def codes_kernel_serves(query: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether :func:`decode_over_codes` serves queries like ``query [S, H, 1, D]`` over a layer's pool ``[kv_heads,
+    slots, D]`` (the CPU kernel built, a head dim and GQA group it reads)."""
+    heads, dim = query.shape[1], query.shape[-1]
+    return (query.device.type == "cpu" and query.shape[2] == 1 and pool.device.type == "cpu"
+            and cpu_kernels.decode_attention_serves(pool.dtype, dim, heads // pool.shape[0]))  # fmt: skip
+
+
+def decode_over_codes(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: GroupRecords, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`decode_over_runs` over the quantized ``groups`` alone (``keys``/``values``: the layer's pools)."""
+    empty = torch.zeros(0, 2, dtype=torch.long)
+    offsets = torch.zeros(query.shape[0] + 1, dtype=torch.long)
+    return decode_over_runs(query, keys, values, empty, offsets, scale, groups)

@@ -5,7 +5,10 @@ served one query per sequence at 2-5 GB/s in bf16 and ~10 GB/s in fp32, so at 2k
 more of a step than all the weight matmuls (issue 65). ``csrc/decode_attention.cpp`` attends every decoding
 sequence of a step at once, straight from the paged pool through each sequence's runs of slots (no gather, no
 merge of pieces), with fp32 accumulation: 2.5-3x the flash kernel in bf16 and ~2x in fp32 on one core
-(BENCHMARKS.md, "A decode step against this CPU's limits").
+(BENCHMARKS.md, "A decode step against this CPU's limits"). The same call reads a KIVI sequence's quantized
+groups in place from their records in the engine's code blocks, dequantizing each group in the core's cache on
+the way, and merges them with its full-precision tokens: the torch path gathered every group, unpacked it into
+fp32 tensors, ran the flash kernel over them and merged the parts with a dozen more ops per layer.
 
 It is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` (g++ or clang, and ninja: the ``ninja``
 wheel kvopt depends on, or one on ``PATH``) into ``$KVOPT_CACHE/kernels/<key>``, the key digesting the source,
@@ -48,33 +51,40 @@ def switched_off() -> bool:
 def decode_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> bool:
     """Whether :func:`decode_attention` reads a CPU pool of this dtype and head dim for GQA groups of ``group`` query
     heads (building the kernel the first time, if it can be built here)."""
-    return dtype in DTYPES and head_dim in HEAD_DIMS and group <= MAX_GROUP and decode_attention() is not None
+    return dtype in DTYPES and head_dim in HEAD_DIMS and group <= MAX_GROUP and _library()
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The decode-attention op, or None where the kernels cannot be built here (warned once) or are switched off.
+
+    ``op(query [S, kv_heads, group, D] fp32 contiguous, keys, values [kv_heads, slots, D], runs [R, 2] int64,
+    offsets [S + 1] int64, scale, key_records=None, value_records=None, blocks=None, records=None, counts=None,
+    layout=None) -> (output [S, kv_heads, group, D] fp32, lse [S, kv_heads, group] fp32)``: sequence ``s`` attends
+    over the slots of runs ``offsets[s]:offsets[s + 1]`` (``(start, stop)`` each), all visible, and, given the
+    code arguments, over its first ``counts[s]`` quantized groups, group ``j`` being record ``records[s, j]`` of
+    block ``blocks[s, j]`` in the byte pools ``[kv_heads, blocks, block bytes]``, laid out as ``layout`` says
+    (:attr:`kvopt.engine.kv.compressed.CodeFormat.kernel_layout`); every part merged by its log-sum-exp.
+    """
+    return torch.ops.kvopt_cpu.decode_attention if _library() else None
 
 
 @functools.cache
-def decode_attention() -> DecodeAttention | None:
-    """The decode-attention op, built or loaded once per process; None where it cannot be (warned once) or is
-    switched off.
-
-    ``op(query [S, kv_heads, group, D] fp32 contiguous, keys, values [kv_heads, slots, D], runs [R, 2] int64,
-    offsets [S + 1] int64, scale) -> (output [S, kv_heads, group, D] fp32, lse [S, kv_heads, group] fp32)``:
-    sequence ``s`` attends over the slots of runs ``offsets[s]:offsets[s + 1]`` (``(start, stop)`` each), all
-    visible.
-    """
+def _library() -> bool:
+    """Build (or load) the kernels once per process; False where they cannot be (warned once) or are switched off."""
     if switched_off():
-        return None
+        return False
     try:
         _build()
-    except Exception as error:  # no compiler, no ninja, a build error: the flash kernel serves instead
+    except Exception as error:  # no compiler, no ninja, a build error: PyTorch's kernels serve instead
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         warnings.warn(
-            f"kvopt's CPU decode-attention kernel cannot be built on this machine ({reason}); decode attention "
-            f"takes PyTorch's flash kernel (the same results, slower at long contexts). Install a C++ compiler "
-            f"(g++ or clang) to build it, or set {ENV_SWITCH}=0 to skip trying",
-            RuntimeWarning, stacklevel=2,
+            f"kvopt's CPU decode-attention kernels cannot be built on this machine ({reason}); decode attention "
+            f"takes PyTorch's kernels (the same results, slower at long contexts). Install a C++ compiler "
+            f"(g++ or clang) to build them, or set {ENV_SWITCH}=0 to skip trying",
+            RuntimeWarning, stacklevel=3,
         )  # fmt: skip
-        return None
-    return torch.ops.kvopt_cpu.decode_attention
+        return False
+    return True
 
 
 def _build() -> None:

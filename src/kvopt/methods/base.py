@@ -80,6 +80,12 @@ class Method:
     def after_attention(self, layer: KVLayer, step: AttentionStep) -> None:
         """Act on ``layer``'s storage once the new tokens are stored and attended to."""
 
+    def idle_after_attention(self, state: dict, held: int) -> bool:
+        """Whether :meth:`after_attention` would leave a layer as it is on a decode step after which its dense store
+        holds ``held`` tokens (``state``: the layer's method state): the engine then skips building the layer for the
+        methods (a compressed sequence's decode step). False, the safe answer, unless the method knows."""
+        return False
+
     def after_prefill(self, cache, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer) -> None:
         """Act once the whole prompt is cached, with the model and the prompt's ids in hand."""
 

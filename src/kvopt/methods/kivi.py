@@ -69,6 +69,11 @@ class KIVI(Quantization):
             return
         self._quantize_held(layer)
 
+    def idle_after_attention(self, state: dict, held: int) -> bool:
+        """Nothing happens while a prompt pass is awaited or until the residual fills (:meth:`quantize_oldest`; the
+        engine's layers hold no ragged rows): most decode steps."""
+        return state.get(self.name) == WAITING or held < max(self.residual, self.group)
+
     def after_prefill(self, cache, model, input_ids, attention_mask, tokenizer) -> None:
         """After a prefill pass (kvzip's, which acts before it in the spec): quantize what the pass kept."""
         for layer in cache.layers:

@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvopt.cache import quant
+from kvopt.cache import attention_math, quant
+from kvopt.cache.attention_math import GroupRecords
 from kvopt.cache.layer import AttentionStep, KVLayer
 from kvopt.cache.positions import TokenIndex
 from kvopt.cache.quantized import QuantizedKV
 from kvopt.cache.storage import DenseKVStore
 from kvopt.engine.kv.base import table_fill
-from kvopt.engine.kv.paged import SequenceSlots
+from kvopt.engine.kv.paged import SequenceSlots, read_runs
 from kvopt.errors import CacheUsageError
 from kvopt.models.info import ModelInfo
 
@@ -104,6 +105,29 @@ class CodeFormat:
         blocks = pool.view(torch.uint8).view(pool.shape[0], -1, self.block_bytes).view(word)
         size = _record_bytes(fields) // word.itemsize
         return blocks[:, :, : self.groups_per_block * size].unflatten(-1, (self.groups_per_block, size))
+
+    @functools.cached_property
+    def kernel_layout(self) -> list[int] | None:
+        """Where the CPU decode kernel finds a group's fields in its records
+        (:func:`kvopt.cache.attention_math.decode_over_codes`), or None for a layout it does not read: keys per
+        channel, values per token in groups of a multiple of 16 channels, fp16 parameters, whole bytes."""
+        rows = self.group * self.bits // 8
+        dim = self.block_bytes // (self.block_size * torch.empty((), dtype=self.dtype).element_size())
+        half = torch.float16
+        keys = (((rows, dim), torch.uint8), ((1, dim), half), ((1, dim), half))
+        if self.key_mode != "channel" or self.key_fields != keys or len(self.value_fields[0][0]) != 3:
+            return None
+        (_, channel_groups, channels), _ = self.value_fields[0]
+        values = (((rows, channel_groups, channels), torch.uint8), ((self.group, channel_groups, 1), half),
+                  ((self.group, channel_groups, 1), half))  # fmt: skip
+        if self.value_fields != values or channels * channel_groups != dim or channels % 16:
+            return None
+        code_bytes = rows * dim
+        key_scale, key_zero = code_bytes, code_bytes + 2 * dim
+        value_scale = code_bytes
+        value_zero = value_scale + 2 * self.group * channel_groups
+        return [self.bits, self.group, channels, key_scale, key_zero, value_scale, value_zero,
+                _record_bytes(self.key_fields), _record_bytes(self.value_fields), self.groups_per_block]  # fmt: skip
 
     def record_word(self, fields: Fields) -> torch.dtype:
         """The widest integer a record and a block split into: a gather of records moves words, not bytes (an
@@ -380,10 +404,19 @@ class CompressedKV:
 
     # -- one layer of one step ------------------------------------------------------------------
     def after_attention(self, index, module, pool, step: CompressedStep, query, keys, values, scaling) -> None:
-        """Let the methods act on layer ``index``'s tokens (``keys/values [1, H, tokens, D]``, the new ones
-        included), then write what they keep into the step's layout."""
+        """Let the methods act on layer ``index``'s tokens (``keys/values [1, H, tokens, D]``, the new ones included;
+        None on a decode step: read from the step's slots when a method acts), then write what they keep into the
+        step's layout."""
         memo = self.memos[index]
         count = step.end - step.first
+        if keys is None:
+            held = self.stored + count
+            if memo.positions is None and not memo.extras and all(
+                method.idle_after_attention(memo.state, held) for method in self.methods
+            ):  # fmt: skip
+                self._layout(index, held, self.groups, step)  # the new tokens are in their slots already
+                return
+            keys, values = read_runs(pool.keys[index], step.runs), read_runs(pool.values[index], step.runs)
         new_positions = torch.arange(step.computed, step.computed + count, dtype=torch.int32, device=keys.device)
         extras = {name: torch.cat([tensor, tensor.new_zeros(*tensor.shape[:2], count)], -1)
                   for name, tensor in memo.extras.items()}  # fmt: skip
@@ -543,8 +576,31 @@ class CodedTokens:
             valid = (tokens < limits[:, None])[:, None]
         return cls(first.pool, first.code_format, where, valid)
 
+    def group_records(self, index: int) -> GroupRecords | None:
+        """These groups in layer ``index`` as the CPU decode kernel reads them in place, or None where it does not
+        (another device, a layout or shape it does not read, the kernels not built)."""
+        layout = self.code_format.kernel_layout
+        if layout is None or self.pool.keys[index].device.type != "cpu":
+            return None
+        blocks, records = (indices.reshape(-1, indices.shape[-1]) for indices in self.where)
+        counts = (torch.full((blocks.shape[0],), blocks.shape[1], dtype=torch.long) if self.valid is None
+                  else self.valid[:, 0].sum(-1).div(self.code_format.group, rounding_mode="floor"))  # fmt: skip
+        return GroupRecords(*self.record_pools(index), blocks, records, counts, layout)
+
+    def record_pools(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s key and value pools as the bytes of their blocks, ``[kv_heads, blocks, block bytes]``."""
+        block_bytes = self.code_format.block_bytes
+        return tuple(pool[index].view(torch.uint8).view(pool[index].shape[0], -1, block_bytes)
+                     for pool in (self.pool.keys, self.pool.values))  # fmt: skip
+
     def attend(self, index: int, query: torch.Tensor, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, lse)`` of one query per sequence ``[S, H_q, 1, D]`` over its groups in layer ``index`` (all
-        older than it)."""
+        older than it): read in place by the CPU decode kernel where it serves, else gathered and dequantized."""
+        keys = self.pool.keys[index]
+        groups = self.group_records(index) if softcap is None else None
+        if groups is not None and attention_math.codes_kernel_serves(query, keys):
+            scale = attention_math.default_scale(query, scaling)
+            output, lse = attention_math.decode_over_codes(query[:, :, 0], keys, self.pool.values[index], groups, scale)
+            return output[:, :, None], lse[:, :, None]
         part = self.code_format.read(self.pool, index, self.where, self.valid)
         return part.attend(query, torch.zeros(1, dtype=torch.int32, device=query.device), scaling, softcap)

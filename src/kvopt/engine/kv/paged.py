@@ -95,6 +95,9 @@ class DecodeGroup:
     #: every member's runs of slots ``[R, 2]`` and where each member's start ``[S + 1]``.
     runs: torch.Tensor | None = None
     run_offsets: torch.Tensor | None = None
+    #: With one batch of ``coded`` groups the kernel reads: every member's groups ``(blocks, records [S, G], counts
+    #: [S])`` (0 for the members without), read in the same call as its slots.
+    code_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, sequences: list[SequenceSlots], device, pieces: int = 1, over_runs: bool = False) -> DecodeGroup | None:
@@ -116,7 +119,8 @@ class DecodeGroup:
             for i in members:
                 offsets.append(offsets[-1] + len(sequences[i].runs))
             table = torch.tensor(runs, dtype=torch.long).view(-1, 2)  # read on the CPU, where the kernel runs
-            return cls(members, rows, [], 1, None, None, coded, table, torch.tensor(offsets, dtype=torch.long))
+            return cls(members, rows, [], 1, None, None, coded, table, torch.tensor(offsets, dtype=torch.long),
+                       _code_rows(coded, len(members)))  # fmt: skip
         spans, tails = [], []
         for i in members:
             (start, stop), tail = sequences[i].main, sequences[i].rest
@@ -139,6 +143,25 @@ class DecodeGroup:
                 rest[index, : tail.numel()] = tail
                 valid[index, ..., : tail.numel()] = True
         return cls(members, rows, spans, pieces, rest, valid, coded)
+
+
+def _code_rows(coded: list[tuple[list[int], CodedTokens]], members: int) -> tuple[torch.Tensor, ...] | None:
+    """Where every member's quantized groups lie, for one kernel call with its slots: the one batch of ``coded``
+    groups scattered to the members' rows (None: no groups, groups of several formats, or a layout the kernel does
+    not read)."""
+    if len(coded) != 1:
+        return None
+    positions, codes = coded[0]
+    groups = codes.group_records(0)  # where the groups lie is the same in every layer
+    if groups is None:
+        return None
+    if positions == list(range(members)):
+        return groups.blocks, groups.records, groups.counts
+    index = torch.tensor(positions)
+    blocks = torch.zeros(members, groups.blocks.shape[1], dtype=torch.long)
+    records, counts = torch.zeros_like(blocks), torch.zeros(members, dtype=torch.long)
+    blocks[index], records[index], counts[index] = groups.blocks, groups.records, groups.counts
+    return blocks, records, counts
 
 
 @dataclass(slots=True)
@@ -326,13 +349,10 @@ class PagedLayer(SeamLayer):
             else:
                 output[:, rows] = _attend_windowed_chunk(query[:, :, rows], keys, values, seq, scaling, sliding_window,
                                                          softcap)  # fmt: skip
-        for step in batch.compressed:
+        for step in batch.compressed:  # a decode step's tokens are read from its slots only if a method acts
             rows = slice(step.first, step.end)
-            if step.is_prefill:
-                seq_keys, seq_values = key[:, :, rows], value[:, :, rows]
-            else:
-                seq_keys, seq_values = _read_runs(keys, step.runs), _read_runs(values, step.runs)
-            step.kv.after_attention(self.index, module, pool, step, query[:, :, rows], seq_keys, seq_values, scaling)
+            new = (key[:, :, rows], value[:, :, rows]) if step.is_prefill else (None, None)
+            step.kv.after_attention(self.index, module, pool, step, query[:, :, rows], *new, scaling)
         for step in batch.own:
             rows = slice(step.first, step.end)
             output[:, rows] = step.attend(self.index, module, query[:, :, rows], key[:, :, rows], value[:, :, rows],
@@ -340,7 +360,7 @@ class PagedLayer(SeamLayer):
         return output
 
 
-def _read_runs(pool_tensor: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+def read_runs(pool_tensor: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
     """``[1, kv_heads, tokens, dim]`` of the slots in ``runs``: a view when they are one run, else a copy."""
     if len(runs) == 1:
         return pool_tensor[None, :, runs[0][0] : runs[0][1]]
@@ -367,8 +387,14 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
     # [S, heads, dim] (``query`` is token-major: a pure decode step's rows are all its members)
     stored = query if query.shape[0] == count else query.index_select(0, group.rows)
     if group.runs is not None:
-        output, lse = attention_math.decode_over_runs(stored, keys, values, group.runs, group.run_offsets, scale)
-        if not group.coded:
+        groups = None
+        if group.code_rows is not None:  # the members' quantized groups in the same call
+            codes = group.coded[0][1]
+            groups = attention_math.GroupRecords(*codes.record_pools(layer), *group.code_rows,
+                                                 codes.code_format.kernel_layout)  # fmt: skip
+        output, lse = attention_math.decode_over_runs(stored, keys, values, group.runs, group.run_offsets, scale,
+                                                      groups)  # fmt: skip
+        if groups is not None or not group.coded:
             return output.to(query.dtype)
         output, lse = output[:, None], lse[:, None]
     else:

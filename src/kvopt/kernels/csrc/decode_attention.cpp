@@ -15,13 +15,19 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -170,23 +176,36 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
 }
 
 struct Unit {
-  int64_t sequence, head, begin, end;  // keys begin:end of the sequence's context, in its token order
+  int source;                          // 0: the pool's slots through runs, 1: quantized groups in their records
+  int64_t sequence, head, begin, end;  // items begin:end of that source for the sequence (tokens, or groups)
 };
 
-template <typename T, int V>
-void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const int64_t* runs,
-         const int64_t* offsets, double scale, at::Tensor& out, at::Tensor& lse) {
+// Where each sequence's items come from: how many there are, and how many a work unit takes.
+struct Source {
+  std::vector<int64_t> lengths;
+  int64_t chunk;
+};
+
+// The shared driver: each (sequence, KV head)'s items of every source cut into units, ``visit(unit, q, m, l, acc)``
+// run on the threads (q: the group's queries times ``scale``), the units of one (sequence, head) merged by their
+// log-sum-exp into ``out`` and ``lse``.
+template <int V, typename Visit>
+void attend_units(const at::Tensor& query, double scale, const std::vector<Source>& sources, Visit visit,
+                  at::Tensor& out, at::Tensor& lse) {
   constexpr int kDim = V * kLanes;
   const int64_t sequences = query.size(0), heads = query.size(1);
   const int group = static_cast<int>(query.size(2));
   std::vector<Unit> units;
   std::vector<int64_t> first_unit(sequences * heads + 1);
   for (int64_t s = 0; s < sequences; ++s) {
-    int64_t length = 0;
-    for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r) length += runs[2 * r + 1] - runs[2 * r];
     for (int64_t h = 0; h < heads; ++h) {
       first_unit[s * heads + h] = static_cast<int64_t>(units.size());
-      for (int64_t begin = 0; begin < length; begin += kChunk) units.push_back({s, h, begin, std::min(length, begin + kChunk)});
+      for (int source = 0; source < static_cast<int>(sources.size()); ++source) {
+        const int64_t length = sources[source].lengths[s];
+        for (int64_t begin = 0; begin < length; begin += sources[source].chunk) {
+          units.push_back({source, s, h, begin, std::min(length, begin + sources[source].chunk)});
+        }
+      }
     }
   }
   first_unit[sequences * heads] = static_cast<int64_t>(units.size());
@@ -195,9 +214,6 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   std::vector<float> scaled(query.numel());
   const float* q_in = query.data_ptr<float>();
   for (int64_t i = 0; i < query.numel(); ++i) scaled[i] = q_in[i] * static_cast<float>(scale);
-  const T* key_pool = keys.data_ptr<T>();
-  const T* value_pool = values.data_ptr<T>();
-  const int64_t key_head = keys.stride(0), value_head = values.stride(0);
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     for (int64_t u = first; u < last; ++u) {
       const Unit& unit = units[u];
@@ -207,18 +223,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       std::fill(m, m + group, -std::numeric_limits<float>::infinity());
       std::fill(l, l + group, 0.0f);
       std::fill(acc, acc + group * kDim, 0.0f);
-      const float* q = scaled.data() + (unit.sequence * heads + unit.head) * group * kDim;
-      int64_t position = 0;  // the sequence's token index where the current run starts
-      for (int64_t r = offsets[unit.sequence]; r < offsets[unit.sequence + 1] && position < unit.end; ++r) {
-        const int64_t start = runs[2 * r], length = runs[2 * r + 1] - start;
-        const int64_t from = std::max(unit.begin, position), to = std::min(unit.end, position + length);
-        if (from < to) {
-          const int64_t slot = start + (from - position);
-          attend_run<T, V>(q, group, key_pool + unit.head * key_head + slot * kDim,
-                           value_pool + unit.head * value_head + slot * kDim, to - from, m, l, acc);
-        }
-        position += length;
-      }
+      visit(unit, scaled.data() + (unit.sequence * heads + unit.head) * group * kDim, m, l, acc);
     }
   });
   float* o = out.data_ptr<float>();
@@ -248,48 +253,231 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   }
 }
 
-template <typename T>
-void dispatch_dim(int64_t dim, const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                  const int64_t* runs, const int64_t* offsets, double scale, at::Tensor& out, at::Tensor& lse) {
-  switch (dim) {
-    case 32: return run<T, 2>(query, keys, values, runs, offsets, scale, out, lse);
-    case 64: return run<T, 4>(query, keys, values, runs, offsets, scale, out, lse);
-    case 80: return run<T, 5>(query, keys, values, runs, offsets, scale, out, lse);
-    case 96: return run<T, 6>(query, keys, values, runs, offsets, scale, out, lse);
-    case 128: return run<T, 8>(query, keys, values, runs, offsets, scale, out, lse);
-    case 256: return run<T, 16>(query, keys, values, runs, offsets, scale, out, lse);
-    default: TORCH_CHECK(false, "decode_attention: head_dim ", dim, " is not one of 32, 64, 80, 96, 128, 256");
+// Keys and values in the pool's slots, each sequence's through its runs of consecutive slots.
+template <typename T, int V>
+struct SlotReader {
+  static constexpr int kDim = V * kLanes;
+  const T* keys;
+  const T* values;
+  int64_t key_head, value_head;
+  const int64_t* runs;
+  const int64_t* offsets;
+  int group;
+
+  std::vector<int64_t> lengths(int64_t sequences) const {
+    std::vector<int64_t> out(sequences, 0);
+    for (int64_t s = 0; s < sequences; ++s) {
+      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r) out[s] += runs[2 * r + 1] - runs[2 * r];
+    }
+    return out;
+  }
+
+  void operator()(const Unit& unit, const float* q, float* m, float* l, float* acc) const {
+    int64_t position = 0;  // the sequence's token index where the current run starts
+    for (int64_t r = offsets[unit.sequence]; r < offsets[unit.sequence + 1] && position < unit.end; ++r) {
+      const int64_t start = runs[2 * r], length = runs[2 * r + 1] - start;
+      const int64_t from = std::max(unit.begin, position), to = std::min(unit.end, position + length);
+      if (from < to) {
+        const int64_t slot = start + (from - position);
+        attend_run<T, V>(q, group, keys + unit.head * key_head + slot * kDim,
+                         values + unit.head * value_head + slot * kDim, to - from, m, l, acc);
+      }
+      position += length;
+    }
+  }
+};
+
+// Where a quantized group's fields lie in its records (KIVI's layout, kvopt/cache/quant.py): keys per channel (codes
+// [tokens / per_byte, D] packed planar along the tokens, fp16 scale and zero [D]), values per token in groups of
+// ``channels`` (codes laid out alike, fp16 scale and zero [tokens, D / channels]).
+struct CodeLayout {
+  int64_t bits, tokens, channels;
+  int64_t key_scale, key_zero, value_scale, value_zero;  // byte offsets within a record (codes at 0)
+  int64_t key_record, value_record, groups_per_block;    // bytes per record; records per block
+};
+
+typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
+
+inline float half_to_float(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, sizeof(h));
+  return static_cast<float>(h);
+}
+
+// ``n`` fp16 values (unaligned bytes) as floats: 8 at a time where the CPU converts them (F16C).
+inline void halves_to_floats(const uint8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src + 2 * i);
+}
+
+// One group's codes dequantized into ``out [tokens, D]`` fp32: code * scale + zero, where ``scale_of(t, i)`` and
+// ``zero_of(t, i)`` give the parameters of token t's vector i (16 channels).
+template <int V, typename Scale, typename Zero>
+void dequantize_group(const uint8_t* codes, const CodeLayout& layout, Scale scale_of, Zero zero_of, float* out) {
+  constexpr int kDim = V * kLanes;
+  const int64_t rows = layout.tokens * layout.bits / 8;  // a byte row holds tokens r, r + rows, ... (planar)
+  const vint mask = vint{} + ((1 << layout.bits) - 1);
+  for (int64_t field = 0, t = 0; field < 8 / layout.bits; ++field) {
+    const int shift = static_cast<int>(field * layout.bits);
+    for (int64_t r = 0; r < rows; ++r, ++t) {
+      const uint8_t* row = codes + r * kDim;
+      for (int i = 0; i < V; ++i) {
+        vbyte bytes;
+        std::memcpy(&bytes, row + i * kLanes, sizeof(bytes));
+        // widened in two steps: GCC turns a 4x widening into scalar code, two 2x widenings into vpmovzx
+        const vint code = (__builtin_convertvector(__builtin_convertvector(bytes, vhalf), vint) >> shift) & mask;
+        const vfloat value = __builtin_convertvector(code, vfloat) * scale_of(t, i) + zero_of(t, i);
+        std::memcpy(out + t * kDim + i * kLanes, &value, sizeof(value));
+      }
+    }
   }
 }
 
+// Quantized groups read in place from their records: group j of sequence s is record records[s, j] of block
+// blocks[s, j]; the first counts[s] of each row are real.
+template <int V>
+struct CodeReader {
+  static constexpr int kDim = V * kLanes;
+  const uint8_t* keys;
+  const uint8_t* values;
+  int64_t key_head, value_head, block_bytes, width;
+  const int64_t* blocks;
+  const int64_t* records;
+  CodeLayout layout;
+  int group;
+  int64_t channel_groups;
+  int64_t channel_group_of[V];  // the value channel group of each 16-channel vector
+
+  void operator()(const Unit& unit, const float* q, float* m, float* l, float* acc) const {
+    std::vector<float> dense_keys(layout.tokens * kDim), dense_values(layout.tokens * kDim);
+    std::vector<float> value_scale(layout.tokens * channel_groups), value_zero(layout.tokens * channel_groups);
+    alignas(64) float key_scale[kDim], key_zero[kDim];
+    for (int64_t j = unit.begin; j < unit.end; ++j) {
+      const int64_t place = blocks[unit.sequence * width + j] * block_bytes;
+      const int64_t record = records[unit.sequence * width + j];
+      const uint8_t* key = keys + unit.head * key_head + place + record * layout.key_record;
+      const uint8_t* value = values + unit.head * value_head + place + record * layout.value_record;
+      halves_to_floats(key + layout.key_scale, key_scale, kDim);
+      halves_to_floats(key + layout.key_zero, key_zero, kDim);
+      halves_to_floats(value + layout.value_scale, value_scale.data(), layout.tokens * channel_groups);
+      halves_to_floats(value + layout.value_zero, value_zero.data(), layout.tokens * channel_groups);
+      dequantize_group<V>(key, layout, [&](int64_t, int i) { return load_row(key_scale + i * kLanes); },
+                          [&](int64_t, int i) { return load_row(key_zero + i * kLanes); }, dense_keys.data());
+      dequantize_group<V>(
+          value, layout,
+          [&](int64_t t, int i) { return splat(value_scale[t * channel_groups + channel_group_of[i]]); },
+          [&](int64_t t, int i) { return splat(value_zero[t * channel_groups + channel_group_of[i]]); },
+          dense_values.data());
+      attend_run<float, V>(q, group, dense_keys.data(), dense_values.data(), layout.tokens, m, l, acc);
+    }
+  }
+};
+
+struct Codes {
+  const at::Tensor *key_pool, *value_pool, *blocks, *records, *counts;
+  CodeLayout layout;
+};
+
+template <typename T, int V>
+void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& runs,
+         const at::Tensor& offsets, const Codes* codes, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int group = static_cast<int>(query.size(2));
+  const SlotReader<T, V> slots{keys.data_ptr<T>(), values.data_ptr<T>(), keys.stride(0), values.stride(0),
+                               runs.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), group};
+  std::vector<Source> sources{{slots.lengths(query.size(0)), kChunk}};
+  if (codes == nullptr) {
+    attend_units<V>(query, scale, sources, slots, out, lse);
+    return;
+  }
+  const CodeLayout& layout = codes->layout;
+  CodeReader<V> coded{codes->key_pool->data_ptr<uint8_t>(), codes->value_pool->data_ptr<uint8_t>(),
+                      codes->key_pool->stride(0), codes->value_pool->stride(0), codes->key_pool->size(2),
+                      codes->blocks->size(1), codes->blocks->data_ptr<int64_t>(), codes->records->data_ptr<int64_t>(),
+                      layout, group, V * kLanes / layout.channels, {}};
+  for (int i = 0; i < V; ++i) coded.channel_group_of[i] = i / (layout.channels / kLanes);
+  const int64_t* count_of = codes->counts->data_ptr<int64_t>();
+  sources.push_back({std::vector<int64_t>(count_of, count_of + query.size(0)), std::max<int64_t>(1, kChunk / layout.tokens)});
+  attend_units<V>(query, scale, sources,
+                  [&](const Unit& unit, const float* q, float* m, float* l, float* acc) {
+                    if (unit.source == 0) slots(unit, q, m, l, acc);
+                    else coded(unit, q, m, l, acc);
+                  },
+                  out, lse);
+}
+
+#define KVOPT_FOR_EACH_DIM(dim, CALL)                                                              \
+  switch (dim) {                                                                                  \
+    case 32: { constexpr int V = 2; CALL; break; }                                                \
+    case 64: { constexpr int V = 4; CALL; break; }                                                \
+    case 80: { constexpr int V = 5; CALL; break; }                                                \
+    case 96: { constexpr int V = 6; CALL; break; }                                                \
+    case 128: { constexpr int V = 8; CALL; break; }                                               \
+    case 256: { constexpr int V = 16; CALL; break; }                                              \
+    default: TORCH_CHECK(false, "head_dim ", dim, " is not one of 32, 64, 80, 96, 128, 256");    \
+  }
+
 // query [S, kv_heads, group, D] fp32 contiguous; keys/values [kv_heads, slots, D] (fp32 or bf16, rows contiguous);
 // runs [R, 2] int64 (start, stop) slot ranges, each sequence's in its token order; offsets [S + 1] int64 (sequence
-// s owns runs offsets[s]:offsets[s+1]). Returns (out [S, kv_heads, group, D] fp32, lse [S, kv_heads, group] fp32).
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& keys,
-                                                    const at::Tensor& values, const at::Tensor& runs,
-                                                    const at::Tensor& offsets, double scale) {
+// s owns runs offsets[s]:offsets[s+1]). With codes, each sequence also attends over quantized groups read in place:
+// key_records/value_records one layer's pools as bytes [kv_heads, blocks, block bytes]; blocks/records [S, G] int64
+// (where each sequence's groups lie), counts [S] int64 (its real groups, a prefix of the row); layout: bits, tokens
+// per group, value channels per group, the byte offsets of the key scale, key zero, value scale and value zero in a
+// record, key and value record bytes, records per block. Returns (out [S, kv_heads, group, D] fp32,
+// lse [S, kv_heads, group] fp32), every part merged.
+std::tuple<at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& runs,
+    const at::Tensor& offsets, double scale, const std::optional<at::Tensor>& key_records,
+    const std::optional<at::Tensor>& value_records, const std::optional<at::Tensor>& blocks,
+    const std::optional<at::Tensor>& records, const std::optional<at::Tensor>& counts,
+    at::OptionalIntArrayRef layout) {
   TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.is_contiguous(),
               "decode_attention: query must be a contiguous fp32 [sequences, kv_heads, group, head_dim] tensor");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.scalar_type() == values.scalar_type(),
               "decode_attention: keys and values must be [kv_heads, slots, head_dim] tensors of one dtype");
-  const int64_t dim = query.size(3);
+  const int64_t dim = query.size(3), sequences = query.size(0);
   for (const at::Tensor* pool : {&keys, &values}) {
     TORCH_CHECK(pool->size(0) == query.size(1) && pool->size(2) == dim && pool->stride(2) == 1 &&
                     pool->stride(1) == dim,
                 "decode_attention: pool rows must be contiguous and match the query's heads and head_dim");
   }
   TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && offsets.scalar_type() == at::kLong &&
-                  offsets.is_contiguous() && offsets.numel() == query.size(0) + 1,
+                  offsets.is_contiguous() && offsets.numel() == sequences + 1,
               "decode_attention: runs [R, 2] and offsets [sequences + 1] must be contiguous int64");
+  std::optional<Codes> codes;
+  if (layout.has_value()) {
+    TORCH_CHECK(layout->size() == 10 && key_records && value_records && blocks && records && counts,
+                "decode_attention: codes need key_records, value_records, blocks, records, counts and a 10-field layout");
+    const auto f = *layout;
+    const CodeLayout code{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
+    TORCH_CHECK((code.bits == 2 || code.bits == 4 || code.bits == 8) && code.tokens * code.bits % 8 == 0 &&
+                    code.channels % kLanes == 0 && dim % code.channels == 0,
+                "decode_attention: 2/4/8-bit codes, whole bytes per group, value groups of a multiple of 16 channels "
+                "dividing head_dim");
+    for (const at::Tensor* pool : {&*key_records, &*value_records}) {
+      TORCH_CHECK(pool->dim() == 3 && pool->scalar_type() == at::kByte && pool->size(0) == query.size(1) &&
+                      pool->stride(2) == 1 && pool->stride(1) == pool->size(2),
+                  "decode_attention: code pools must be [kv_heads, blocks, block bytes] uint8 with contiguous blocks");
+    }
+    TORCH_CHECK(blocks->scalar_type() == at::kLong && records->scalar_type() == at::kLong &&
+                    counts->scalar_type() == at::kLong && blocks->is_contiguous() && records->is_contiguous() &&
+                    counts->is_contiguous() && blocks->dim() == 2 && blocks->sizes() == records->sizes() &&
+                    blocks->size(0) == sequences && counts->numel() == sequences,
+                "decode_attention: blocks/records [sequences, groups] and counts [sequences] must be contiguous int64");
+    codes = Codes{&*key_records, &*value_records, &*blocks, &*records, &*counts, code};
+  }
   auto out = at::empty(query.sizes(), query.options());
-  auto lse = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  const int64_t* run_data = runs.data_ptr<int64_t>();
-  const int64_t* offset_data = offsets.data_ptr<int64_t>();
+  auto lse = at::empty({sequences, query.size(1), query.size(2)}, query.options());
+  const Codes* coded = codes ? &*codes : nullptr;
   if (keys.scalar_type() == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16>(dim, query, keys, values, run_data, offset_data, scale, out, lse);
+    KVOPT_FOR_EACH_DIM(dim, (run<c10::BFloat16, V>(query, keys, values, runs, offsets, coded, scale, out, lse)));
   } else {
     TORCH_CHECK(keys.scalar_type() == at::kFloat, "decode_attention: keys must be bf16 or fp32");
-    dispatch_dim<float>(dim, query, keys, values, run_data, offset_data, scale, out, lse);
+    KVOPT_FOR_EACH_DIM(dim, (run<float, V>(query, keys, values, runs, offsets, coded, scale, out, lse)));
   }
   return {out, lse};
 }
@@ -297,8 +485,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
 }  // namespace
 
 TORCH_LIBRARY(kvopt_cpu, m) {
-  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale) -> "
-        "(Tensor, Tensor)");
+  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, "
+        "Tensor? key_records=None, Tensor? value_records=None, Tensor? blocks=None, Tensor? records=None, "
+        "Tensor? counts=None, int[]? layout=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
