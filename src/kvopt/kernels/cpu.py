@@ -6,8 +6,9 @@ more of a step than all the weight matmuls (issue 65). ``csrc/decode_attention.c
 sequence of a step at once, straight from the paged pool through each sequence's runs of slots (no gather, no
 merge of pieces), with fp32 accumulation: 2.5-3x the flash kernel in bf16 and ~2x in fp32 on one core
 (BENCHMARKS.md, "A decode step against this CPU's limits"). The same call reads a KIVI sequence's quantized
-groups in place from their records in the engine's code blocks, dequantizing each group in the core's cache on
-the way, and merges them with its full-precision tokens: the torch path gathered every group, unpacked it into
+groups in place from their records in the engine's code blocks (keys scored against the codes with the scales
+folded into the query, values dequantized 16 tokens at a time in registers) and merges them with its
+full-precision tokens: the torch path gathered every group, unpacked it into
 fp32 tensors, ran the flash kernel over them and merged the parts with a dozen more ops per layer.
 
 It is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` (g++ or clang, and ninja: the ``ninja``

@@ -110,12 +110,13 @@ class CodeFormat:
     def kernel_layout(self) -> list[int] | None:
         """Where the CPU decode kernel finds a group's fields in its records
         (:func:`kvopt.cache.attention_math.decode_over_codes`), or None for a layout it does not read: keys per
-        channel, values per token in groups of a multiple of 16 channels, fp16 parameters, whole bytes."""
+        channel, values per token in groups of a multiple of 16 channels, groups of a multiple of 16 tokens, fp16
+        parameters."""
         rows = self.group * self.bits // 8
         dim = self.block_bytes // (self.block_size * torch.empty((), dtype=self.dtype).element_size())
         half = torch.float16
         keys = (((rows, dim), torch.uint8), ((1, dim), half), ((1, dim), half))
-        if self.key_mode != "channel" or self.key_fields != keys or len(self.value_fields[0][0]) != 3:
+        if self.key_mode != "channel" or self.group % 16 or self.key_fields != keys or len(self.value_fields[0][0]) != 3:
             return None
         (_, channel_groups, channels), _ = self.value_fields[0]
         values = (((rows, channel_groups, channels), torch.uint8), ((self.group, channel_groups, 1), half),

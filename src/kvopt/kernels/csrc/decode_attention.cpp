@@ -124,6 +124,18 @@ inline vfloat exp_nonpositive(vfloat x) {
   return tiny ? splat(0.0f) : out;
 }
 
+// One block of 16 scores (lanes without a key at -inf, at least one with) into a running softmax: the running
+// maximum ``m`` and sum ``l`` updated, the block's weights returned, and the factor the earlier sum and outputs are
+// scaled by in ``correction``.
+inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction) {
+  const float new_max = std::max(m, max_lanes(scores));
+  correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - new_max);
+  const vfloat weights = exp_nonpositive(scores - new_max);
+  l = l * correction + sum_lanes(weights);
+  m = new_max;
+  return weights;
+}
+
 // A run of ``count`` keys from one chunk: the group's queries (pre-scaled) against them, accumulated into the
 // unit's running maximum ``m``, sum ``l`` and unnormalised output ``acc`` (``G`` queries, ``V`` vectors each).
 template <typename T, int V>
@@ -157,12 +169,8 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
     }
     for (int g = 0; g < group; ++g) {
       for (int j = n; j < kLanes; ++j) scores[g][j] = -std::numeric_limits<float>::infinity();
-      const vfloat block_scores = load_row(scores[g]);
-      const float new_max = std::max(m[g], max_lanes(block_scores));
-      const float correction = m[g] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[g] - new_max);
-      const vfloat weights = exp_nonpositive(block_scores - new_max);
-      l[g] = l[g] * correction + sum_lanes(weights);
-      m[g] = new_max;
+      float correction;
+      const vfloat weights = softmax_block(load_row(scores[g]), m[g], l[g], correction);
       float* out = acc + g * kDim;
       vfloat o[V];
       for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
@@ -315,29 +323,6 @@ inline void halves_to_floats(const uint8_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src + 2 * i);
 }
 
-// One group's codes dequantized into ``out [tokens, D]`` fp32: code * scale + zero, where ``scale_of(t, i)`` and
-// ``zero_of(t, i)`` give the parameters of token t's vector i (16 channels).
-template <int V, typename Scale, typename Zero>
-void dequantize_group(const uint8_t* codes, const CodeLayout& layout, Scale scale_of, Zero zero_of, float* out) {
-  constexpr int kDim = V * kLanes;
-  const int64_t rows = layout.tokens * layout.bits / 8;  // a byte row holds tokens r, r + rows, ... (planar)
-  const vint mask = vint{} + ((1 << layout.bits) - 1);
-  for (int64_t field = 0, t = 0; field < 8 / layout.bits; ++field) {
-    const int shift = static_cast<int>(field * layout.bits);
-    for (int64_t r = 0; r < rows; ++r, ++t) {
-      const uint8_t* row = codes + r * kDim;
-      for (int i = 0; i < V; ++i) {
-        vbyte bytes;
-        std::memcpy(&bytes, row + i * kLanes, sizeof(bytes));
-        // widened in two steps: GCC turns a 4x widening into scalar code, two 2x widenings into vpmovzx
-        const vint code = (__builtin_convertvector(__builtin_convertvector(bytes, vhalf), vint) >> shift) & mask;
-        const vfloat value = __builtin_convertvector(code, vfloat) * scale_of(t, i) + zero_of(t, i);
-        std::memcpy(out + t * kDim + i * kLanes, &value, sizeof(value));
-      }
-    }
-  }
-}
-
 // Quantized groups read in place from their records: group j of sequence s is record records[s, j] of block
 // blocks[s, j]; the first counts[s] of each row are real.
 template <int V>
@@ -353,10 +338,36 @@ struct CodeReader {
   int64_t channel_groups;
   int64_t channel_group_of[V];  // the value channel group of each 16-channel vector
 
+  // The codes of tokens first ... first + 15 of a group as floats, unscaled: [16][V] vectors. A byte row holds
+  // tokens r, r + rows, ... (planar): the row and the field advance together.
+  void code_block(const uint8_t* codes, int64_t first, vfloat (*out)[V]) const {
+    const int64_t rows = layout.tokens * layout.bits / 8;
+    const vint mask = vint{} + ((1 << layout.bits) - 1);
+    int64_t row = first % rows, field = first / rows;
+    for (int j = 0; j < kLanes; ++j) {
+      const uint8_t* bytes_of_row = codes + row * kDim;
+      const int shift = static_cast<int>(field * layout.bits);
+      for (int i = 0; i < V; ++i) {
+        vbyte bytes;
+        std::memcpy(&bytes, bytes_of_row + i * kLanes, sizeof(bytes));
+        // widened in two steps: GCC turns a 4x widening into scalar code, two 2x widenings into vpmovzx
+        const vint code = (__builtin_convertvector(__builtin_convertvector(bytes, vhalf), vint) >> shift) & mask;
+        out[j][i] = __builtin_convertvector(code, vfloat);
+      }
+      if (++row == rows) row = 0, ++field;
+    }
+  }
+
+  // Attention over quantized groups without dequantized keys: a key's score is (q * key scale) . codes + q . key zero
+  // (scales and zero-points per channel, folded into each query once per group); values are dequantized 16 tokens
+  // at a time in registers, once for the group's queries.
   void operator()(const Unit& unit, const float* q, float* m, float* l, float* acc) const {
-    std::vector<float> dense_keys(layout.tokens * kDim), dense_values(layout.tokens * kDim);
     std::vector<float> value_scale(layout.tokens * channel_groups), value_zero(layout.tokens * channel_groups);
     alignas(64) float key_scale[kDim], key_zero[kDim];
+    alignas(64) float scaled_query[kMaxGroup][kDim];
+    float query_zero[kMaxGroup];
+    alignas(64) vfloat block[kLanes][V];
+    alignas(64) float scores[kMaxGroup][kLanes];
     for (int64_t j = unit.begin; j < unit.end; ++j) {
       const int64_t place = blocks[unit.sequence * width + j] * block_bytes;
       const int64_t record = records[unit.sequence * width + j];
@@ -366,14 +377,49 @@ struct CodeReader {
       halves_to_floats(key + layout.key_zero, key_zero, kDim);
       halves_to_floats(value + layout.value_scale, value_scale.data(), layout.tokens * channel_groups);
       halves_to_floats(value + layout.value_zero, value_zero.data(), layout.tokens * channel_groups);
-      dequantize_group<V>(key, layout, [&](int64_t, int i) { return load_row(key_scale + i * kLanes); },
-                          [&](int64_t, int i) { return load_row(key_zero + i * kLanes); }, dense_keys.data());
-      dequantize_group<V>(
-          value, layout,
-          [&](int64_t t, int i) { return splat(value_scale[t * channel_groups + channel_group_of[i]]); },
-          [&](int64_t t, int i) { return splat(value_zero[t * channel_groups + channel_group_of[i]]); },
-          dense_values.data());
-      attend_run<float, V>(q, group, dense_keys.data(), dense_values.data(), layout.tokens, m, l, acc);
+      for (int g = 0; g < group; ++g) {
+        vfloat zero_dot = vfloat{};
+        for (int i = 0; i < V; ++i) {
+          const vfloat qi = load_row(q + g * kDim + i * kLanes);
+          const vfloat scaled = qi * load_row(key_scale + i * kLanes);
+          std::memcpy(scaled_query[g] + i * kLanes, &scaled, sizeof(scaled));
+          zero_dot += qi * load_row(key_zero + i * kLanes);
+        }
+        query_zero[g] = sum_lanes(zero_dot);
+      }
+      for (int64_t first = 0; first < layout.tokens; first += kLanes) {
+        code_block(key, first, block);
+        for (int g = 0; g < group; ++g) {
+          vfloat dots[kLanes];
+          for (int t = 0; t < kLanes; ++t) {
+            vfloat dot = load_row(scaled_query[g]) * block[t][0];
+            for (int i = 1; i < V; ++i) dot += load_row(scaled_query[g] + i * kLanes) * block[t][i];
+            dots[t] = dot;
+          }
+          const vfloat sums = sum_lanes_of_16(dots) + query_zero[g];
+          std::memcpy(scores[g], &sums, sizeof(sums));
+        }
+        code_block(value, first, block);
+        for (int t = 0; t < kLanes; ++t) {  // values dequantized once for every query of the group
+          const float* scale_of = value_scale.data() + (first + t) * channel_groups;
+          const float* zero_of = value_zero.data() + (first + t) * channel_groups;
+          for (int i = 0; i < V; ++i) {
+            block[t][i] = block[t][i] * scale_of[channel_group_of[i]] + zero_of[channel_group_of[i]];
+          }
+        }
+        for (int g = 0; g < group; ++g) {
+          float correction;
+          const vfloat weights = softmax_block(load_row(scores[g]), m[g], l[g], correction);
+          float* out = acc + g * kDim;
+          vfloat o[V];
+          for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
+          for (int t = 0; t < kLanes; ++t) {
+            const vfloat w = splat(weights[t]);
+            for (int i = 0; i < V; ++i) o[i] += w * block[t][i];
+          }
+          std::memcpy(out, o, sizeof(o));
+        }
+      }
     }
   }
 };
@@ -454,9 +500,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
                 "decode_attention: codes need key_records, value_records, blocks, records, counts and a 10-field layout");
     const auto f = *layout;
     const CodeLayout code{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
-    TORCH_CHECK((code.bits == 2 || code.bits == 4 || code.bits == 8) && code.tokens * code.bits % 8 == 0 &&
+    TORCH_CHECK((code.bits == 2 || code.bits == 4 || code.bits == 8) && code.tokens % kLanes == 0 &&
                     code.channels % kLanes == 0 && dim % code.channels == 0,
-                "decode_attention: 2/4/8-bit codes, whole bytes per group, value groups of a multiple of 16 channels "
+                "decode_attention: 2/4/8-bit codes, groups of a multiple of 16 tokens, value groups of a multiple of 16 channels "
                 "dividing head_dim");
     for (const at::Tensor* pool : {&*key_records, &*value_records}) {
       TORCH_CHECK(pool->dim() == 3 && pool->scalar_type() == at::kByte && pool->size(0) == query.size(1) &&
