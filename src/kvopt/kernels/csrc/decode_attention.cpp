@@ -136,6 +136,35 @@ inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction
   return weights;
 }
 
+// The 16 scores of a block of keys ``[16][V]`` (fp32) against one query (``V`` vectors).
+template <int V>
+inline vfloat score_block(const float* query, const vfloat (*keys)[V]) {
+  vfloat qv[V];
+  for (int i = 0; i < V; ++i) qv[i] = load_row(query + i * kLanes);
+  vfloat dots[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    vfloat dot = qv[0] * keys[j][0];
+    for (int i = 1; i < V; ++i) dot += qv[i] * keys[j][i];
+    dots[j] = dot;
+  }
+  return sum_lanes_of_16(dots);
+}
+
+// A block's softmax weights (from its scores) times its first ``n`` value rows ``[16][V]`` added into one query's
+// running output ``out`` (V vectors), its running maximum ``m`` and sum ``l`` updated.
+template <int V>
+inline void accumulate_block(vfloat scores, const vfloat (*values)[V], int n, float& m, float& l, float* out) {
+  float correction;
+  const vfloat weights = softmax_block(scores, m, l, correction);
+  vfloat o[V];
+  for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
+  for (int j = 0; j < n; ++j) {
+    const vfloat w = splat(weights[j]);
+    for (int i = 0; i < V; ++i) o[i] += w * values[j][i];
+  }
+  std::memcpy(out, o, sizeof(o));
+}
+
 // A run of ``count`` keys from one chunk: the group's queries (pre-scaled) against them, accumulated into the
 // unit's running maximum ``m``, sum ``l`` and unnormalised output ``acc`` (``G`` queries, ``V`` vectors each).
 template <typename T, int V>
@@ -152,16 +181,7 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
       for (int i = 0; i < V; ++i) block[j][i] = j < n ? load_row(k + j * kDim + i * kLanes) : vfloat{};
     }
     for (int g = 0; g < group; ++g) {
-      const float* qg = q + g * kDim;
-      vfloat qv[V];
-      for (int i = 0; i < V; ++i) qv[i] = load_row(qg + i * kLanes);
-      vfloat dots[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        vfloat dot = qv[0] * block[j][0];
-        for (int i = 1; i < V; ++i) dot += qv[i] * block[j][i];
-        dots[j] = dot;
-      }
-      const vfloat sums = sum_lanes_of_16(dots);
+      const vfloat sums = score_block<V>(q + g * kDim, block);
       std::memcpy(scores[g], &sums, sizeof(sums));
     }
     for (int j = 0; j < kLanes; ++j) {  // the block's values, converted once too (rows past n weigh 0)
@@ -169,16 +189,7 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
     }
     for (int g = 0; g < group; ++g) {
       for (int j = n; j < kLanes; ++j) scores[g][j] = -std::numeric_limits<float>::infinity();
-      float correction;
-      const vfloat weights = softmax_block(load_row(scores[g]), m[g], l[g], correction);
-      float* out = acc + g * kDim;
-      vfloat o[V];
-      for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
-      for (int j = 0; j < n; ++j) {
-        const vfloat w = splat(weights[j]);
-        for (int i = 0; i < V; ++i) o[i] += w * block[j][i];
-      }
-      std::memcpy(out, o, sizeof(o));
+      accumulate_block<V>(load_row(scores[g]), block, n, m[g], l[g], acc + g * kDim);
     }
   }
 }
@@ -390,13 +401,7 @@ struct CodeReader {
       for (int64_t first = 0; first < layout.tokens; first += kLanes) {
         code_block(key, first, block);
         for (int g = 0; g < group; ++g) {
-          vfloat dots[kLanes];
-          for (int t = 0; t < kLanes; ++t) {
-            vfloat dot = load_row(scaled_query[g]) * block[t][0];
-            for (int i = 1; i < V; ++i) dot += load_row(scaled_query[g] + i * kLanes) * block[t][i];
-            dots[t] = dot;
-          }
-          const vfloat sums = sum_lanes_of_16(dots) + query_zero[g];
+          const vfloat sums = score_block<V>(scaled_query[g], block) + query_zero[g];
           std::memcpy(scores[g], &sums, sizeof(sums));
         }
         code_block(value, first, block);
@@ -408,16 +413,7 @@ struct CodeReader {
           }
         }
         for (int g = 0; g < group; ++g) {
-          float correction;
-          const vfloat weights = softmax_block(load_row(scores[g]), m[g], l[g], correction);
-          float* out = acc + g * kDim;
-          vfloat o[V];
-          for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
-          for (int t = 0; t < kLanes; ++t) {
-            const vfloat w = splat(weights[t]);
-            for (int i = 0; i < V; ++i) o[i] += w * block[t][i];
-          }
-          std::memcpy(out, o, sizeof(o));
+          accumulate_block<V>(load_row(scores[g]), block, kLanes, m[g], l[g], acc + g * kDim);
         }
       }
     }
