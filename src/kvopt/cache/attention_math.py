@@ -338,9 +338,8 @@ def decode_over_runs(
 def codes_kernel_serves(query: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether :func:`decode_over_codes` serves queries like ``query [S, H, 1, D]`` over a layer's pool ``[kv_heads,
     slots, D]`` (the CPU kernel built, a head dim and GQA group it reads)."""
-    heads, dim = query.shape[1], query.shape[-1]
-    return (query.device.type == "cpu" and query.shape[2] == 1 and pool.device.type == "cpu"
-            and cpu_kernels.decode_attention_serves(pool.dtype, dim, heads // pool.shape[0]))  # fmt: skip
+    return query.shape[2] == 1 and decode_kernel_serves(query.device, pool.dtype, query.shape[1], pool.shape[0],
+                                                        query.shape[-1])  # fmt: skip
 
 
 def decode_over_codes(

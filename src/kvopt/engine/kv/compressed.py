@@ -577,16 +577,21 @@ class CodedTokens:
             valid = (tokens < limits[:, None])[:, None]
         return cls(first.pool, first.code_format, where, valid)
 
-    def group_records(self, index: int) -> GroupRecords | None:
-        """These groups in layer ``index`` as the CPU decode kernel reads them in place, or None where it does not
-        (another device, a layout or shape it does not read, the kernels not built)."""
-        layout = self.code_format.kernel_layout
-        if layout is None or self.pool.keys[index].device.type != "cpu":
+    def group_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where these groups lie, as the CPU decode kernel reads them in every layer: blocks and records ``[S, G]``
+        and each sequence's real groups ``[S]``; None where the kernel does not read them (another device, a layout
+        it does not read)."""
+        if self.code_format.kernel_layout is None or self.where[0].device.type != "cpu":
             return None
         blocks, records = (indices.reshape(-1, indices.shape[-1]) for indices in self.where)
         counts = (torch.full((blocks.shape[0],), blocks.shape[1], dtype=torch.long) if self.valid is None
                   else self.valid[:, 0].sum(-1).div(self.code_format.group, rounding_mode="floor"))  # fmt: skip
-        return GroupRecords(*self.record_pools(index), blocks, records, counts, layout)
+        return blocks, records, counts
+
+    def group_records(self, index: int) -> GroupRecords | None:
+        """These groups in layer ``index`` as the CPU decode kernel reads them in place (None as :meth:`group_rows`)."""
+        rows = self.group_rows()
+        return None if rows is None else GroupRecords(*self.record_pools(index), *rows, self.code_format.kernel_layout)
 
     def record_pools(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s key and value pools as the bytes of their blocks, ``[kv_heads, blocks, block bytes]``."""

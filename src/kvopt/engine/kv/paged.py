@@ -152,15 +152,13 @@ def _code_rows(coded: list[tuple[list[int], CodedTokens]], members: int) -> tupl
     if len(coded) != 1:
         return None
     positions, codes = coded[0]
-    groups = codes.group_records(0)  # where the groups lie is the same in every layer
-    if groups is None:
-        return None
-    if positions == list(range(members)):
-        return groups.blocks, groups.records, groups.counts
+    rows = codes.group_rows()  # where the groups lie is the same in every layer
+    if rows is None or positions == list(range(members)):
+        return rows
     index = torch.tensor(positions)
-    blocks = torch.zeros(members, groups.blocks.shape[1], dtype=torch.long)
+    blocks = torch.zeros(members, rows[0].shape[1], dtype=torch.long)
     records, counts = torch.zeros_like(blocks), torch.zeros(members, dtype=torch.long)
-    blocks[index], records[index], counts[index] = groups.blocks, groups.records, groups.counts
+    blocks[index], records[index], counts[index] = rows
     return blocks, records, counts
 
 
