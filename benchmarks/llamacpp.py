@@ -69,29 +69,31 @@ def bindings():
 
 # -- the weights ------------------------------------------------------------------------------
 def weight_files(choice: str) -> dict[str, Path]:
-    """The comma-separated ``--weights``: ``Q4_1``, the default model's GGUF; ``F16``, its re-type (written once);
-    empty, none (no llama.cpp run)."""
+    """The comma-separated ``--weights``: ``Q4_1``, the default model's GGUF; ``F16`` and ``Q8_0``, its re-types
+    (written once); empty, none (no llama.cpp run)."""
     from kvopt.models.loading import default_gguf_path
 
     names = [name for name in choice.split(",") if name]
     original = default_gguf_path()
-    files = {"Q4_1": original, "F16": lambda: f16_copy(original)}
+    files = {"Q4_1": original, "F16": lambda: retyped_copy(original, "F16"), "Q8_0": lambda: retyped_copy(original, "Q8_0")}
     unknown = set(names) - set(files)
     if unknown:
         raise SystemExit(f"unknown --weights {sorted(unknown)}; choose from {','.join(files)}")
     return {name: files[name]() if callable(files[name]) else files[name] for name in names}
 
 
-def f16_copy(source: Path) -> Path:
-    """``source`` with every quantized tensor dequantized to F16 (F32 tensors stay), beside kvopt's converted
-    models; metadata copied, file type MOSTLY_F16. Written under the conversion lock, renamed into place whole."""
+def retyped_copy(source: Path, kind: str) -> Path:
+    """``source`` with every quantized tensor dequantized and stored as ``kind`` (``F16``, or ``Q8_0``: quantized
+    again by the ``gguf`` package, llama-quantize's format; F32 tensors stay), beside kvopt's converted models;
+    metadata copied, the file type set. Written under the conversion lock, renamed into place whole."""
     import gguf
 
     from kvopt.models.loading import cache_dir, conversion_lock
     from kvopt.paths import writable_folder
 
+    file_type = {"F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     folder = writable_folder(cache_dir() / "gguf", "KVOPT_CACHE")
-    target = folder / f"{source.stem.rsplit('.', 1)[0]}.F16.gguf"
+    target = folder / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
     if target.is_file():
         return target
     with conversion_lock(folder):
@@ -104,15 +106,21 @@ def f16_copy(source: Path) -> Path:
             if entry.name == gguf.Keys.General.ARCHITECTURE or entry.name.startswith("GGUF."):
                 continue  # written by GGUFWriter itself
             if entry.name == gguf.Keys.General.FILE_TYPE:
-                writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+                writer.add_file_type(file_type)
                 continue
             kind = entry.types[0]
             writer.add_key_value(entry.name, entry.contents(), kind,
                                  sub_type=entry.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
         for tensor in reader.tensors:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            writer.add_tensor(tensor.name, values if tensor.tensor_type == gguf.GGMLQuantizationType.F32
-                              else values.astype(np.float16))  # fmt: skip
+            if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(tensor.name, values)
+            elif kind == "F16":
+                writer.add_tensor(tensor.name, values.astype(np.float16))
+            else:
+                quantized = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(tensor.name, quantized, raw_shape=quantized.shape,
+                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -291,10 +299,13 @@ def kvopt_single(args, dtype: str, spec: str) -> Callable[[int], SingleRunner]:
     each request's first-token and finish times."""
     from kvopt.engine import LLM
 
-    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, enable_prefix_caching=False, kv_method=spec)
-    system = f"kvopt.LLM {dtype}" + ("" if spec == "full" else f" {spec}")
+    dtype, weights = kvopt_setting(dtype)
+    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=1, dtype=dtype, weights=weights, enable_prefix_caching=False,
+              kv_method=spec)  # fmt: skip
+    system = f"kvopt.LLM {dtype}" + (f" {weights}" if weights else "") + ("" if spec == "full" else f" {spec}")
     dtype_name = str(llm.engine.dtype).removeprefix("torch.")
-    fields = {"step": "single", "system": system, "weights": dtype_name, "kv": dtype_name if spec == "full" else spec,
+    fields = {"step": "single", "system": system, "weights": weights or dtype_name,
+              "kv": dtype_name if spec == "full" else spec,
               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "timed": "per token",
               "conditions": args.conditions}  # fmt: skip
 
@@ -306,6 +317,12 @@ def kvopt_single(args, dtype: str, spec: str) -> Callable[[int], SingleRunner]:
         return metrics.time_to_first_token, metrics.finished_time - metrics.first_token_time
 
     return lambda length: SingleRunner(fields, timed, args.new_tokens - 1)
+
+
+def kvopt_setting(entry: str) -> tuple[str, str | None]:
+    """A ``--kvopt`` entry: ``DTYPE`` or ``DTYPE/WEIGHTS`` (``auto/int8``: int8 weights computing in ``auto``)."""
+    dtype, _, weights = entry.partition("/")
+    return dtype, weights or None
 
 
 def hf_single(args, dtype: str) -> Callable[[int], SingleRunner]:
@@ -426,7 +443,8 @@ def kvopt_run(prompts: list[list[int]], new_tokens: int, dtype: str, spec: str, 
     is the most sequences that ran at once."""
     from kvopt.engine import LLM
 
-    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, dtype=dtype, kv_method=spec)
+    dtype, weights = kvopt_setting(dtype)
+    llm = LLM(kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, dtype=dtype, weights=weights, kv_method=spec)
     core, peak = llm.engine, 0
     engine_step = core.step
 
@@ -443,8 +461,8 @@ def kvopt_run(prompts: list[list[int]], new_tokens: int, dtype: str, spec: str, 
     if any(out.error for out in outputs):
         raise SystemExit(f"kvopt.LLM {dtype} {spec}: {next(out.error for out in outputs if out.error)}")
     kv = str(llm.engine.dtype).removeprefix("torch.")
-    row = {"step": "batched", "system": f"kvopt.LLM {dtype}" + (f" {spec}" if spec != "full" else ""),
-           "weights": kv, "kv": kv if spec == "full" else f"{spec} ({kv})", "parallel": peak,
+    row = {"step": "batched", "system": f"kvopt.LLM {dtype}" + (f" {weights}" if weights else "")
+           + (f" {spec}" if spec != "full" else ""), "weights": weights or kv, "kv": kv if spec == "full" else f"{spec} ({kv})", "parallel": peak,
            "max_num_seqs": args.max_num_seqs, "seconds": seconds, "tok_s": len(prompts) * new_tokens / seconds,
            "pool_bytes": llm.engine.runner.pool.nbytes(), "threads": torch.get_num_threads(),
            "conditions": args.conditions}  # fmt: skip
@@ -514,7 +532,7 @@ def save(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default=",".join(STEPS))
-    parser.add_argument("--weights", default="Q4_1,F16", help="Q4_1 (the default model's GGUF) and/or F16 (its re-type); empty: no llama.cpp run")
+    parser.add_argument("--weights", default="Q4_1,F16", help="Q4_1 (the default model's GGUF), F16 and/or Q8_0 (its re-types); empty: no llama.cpp run")
     parser.add_argument("--kv", default="f16,q8_0", help="llama.cpp's KV cache types")
     parser.add_argument("--lengths", default="512,2048,8128", help="single: prompt tokens (8128 + 64 new = 8k positions)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single), 128 (batched, as serving.py)")
@@ -523,7 +541,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=serving.token_range, default=(SERVING_LOW, SERVING_HIGH), metavar="LOW-HIGH",
                         help="batched: each prompt's length is drawn from this range (default: serving.py's)")
     parser.add_argument("--parallel", default="8,16,32,64", help="batched: llama.cpp's slots (sequences at once)")
-    parser.add_argument("--kvopt", default="", help="also kvopt.LLM in these dtypes, e.g. fp32,auto")
+    parser.add_argument("--kvopt", default="", help="also kvopt.LLM in these dtypes, e.g. fp32,auto; DTYPE/int8: int8 weights computing in DTYPE")
     parser.add_argument("--kvopt-method", action="append", default=[], metavar="DTYPE=SPEC",
                         help="also kvopt.LLM in DTYPE with kv_method SPEC (repeatable; single and batched)")
     parser.add_argument("--hf", default="", help="also plain transformers in these dtypes (single: generate on one request; "

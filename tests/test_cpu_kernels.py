@@ -180,7 +180,7 @@ def test_switched_off_nothing_is_built(monkeypatch):
 
 
 def test_the_build_is_kept_per_source_torch_and_cpu(monkeypatch):
-    source = cpu.SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (*cpu.SOURCES, *cpu.HEADERS))
     key = cpu._build_key(source)
     assert key == cpu._build_key(source) and len(key) == 16
     assert cpu._build_key(source + b"\n") != key

@@ -20,19 +20,25 @@ from kvopt.methods import Method
 from kvopt.models.loading import load_pretrained
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
+def load_model(
+    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None,
+    weights: str | None = None,
+):  # fmt: skip
     """Load ``(model, tokenizer)`` with its attention routed through kvopt's, ready for kvopt caches.
 
     ``name_or_path``: None for the embedded default model, a local HF folder, or a .gguf file.
     ``dtype``: torch dtype or name (``fp32``, ``bf16``), or ``auto``: bf16 on a CPU with bf16 arithmetic, fp32 on
     other CPUs, the checkpoint's on an accelerator; default is the checkpoint's own dtype.
     ``device``: where the model runs (a name, ``auto`` for a CUDA GPU when there is one); default the CPU.
+    ``weights``: ``auto`` (default: in ``dtype``), ``fp32``, ``bf16``, or ``int8``: every linear layer's weights in
+    int8 with one scale per output channel, computed in ``dtype`` (default ``auto``), on a CPU
+    (:mod:`kvopt.models.int8_linear`): half the bytes a decode step reads, a small loss of accuracy.
 
     The model comes frozen, as HF's pipelines and vLLM give one: eval mode and no parameter requiring a gradient, so
     ``model(ids, past_key_values=...)`` outside ``torch.no_grad()`` keeps no autograd state (a 3,000-token prompt
     on the default model peaked at 5.5 GB with it, 1.8 GB without). To fine-tune, call ``model.requires_grad_()``.
     """
-    model, tokenizer = load_pretrained(name_or_path, dtype, device)
+    model, tokenizer = load_pretrained(name_or_path, dtype, device, weights)
     prepare(model)
     return model, tokenizer
 

@@ -119,6 +119,7 @@ def generate_streaming(
     sink: Callable[[str], None] = lambda text: None,
     tokenizer=None,
     device: str | None = None,
+    weights: str | None = None,
 ) -> GenerationResult:
     """Greedy generation through a kvopt cache, streaming text to ``sink``.
 
@@ -130,7 +131,7 @@ def generate_streaming(
 
     methods = parse(method)
     if tokenizer is None:
-        model, tokenizer = load_model(model, dtype=dtype, device=device)
+        model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights)
     info = ModelInfo.from_config(model.config)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
     check_context(info, input_ids.shape[-1], max_new_tokens, methods)

@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 from kvopt.cli.options import (
     DeviceOption, DtypeOption, EngineSpeculateOption, ItlTargetOption, LongPrefillTokenThresholdOption,
-    MaxNumBatchedTokensOption, MaxNumPartialPrefillsOption, ModelOption, SpeculateMaxBatchOption, itl_target,
+    MaxNumBatchedTokensOption, MaxNumPartialPrefillsOption, ModelOption, SpeculateMaxBatchOption, WeightsOption,
+    itl_target,
 )
 from kvopt.engine.requests import DEFAULT_MODEL_NAME, STRICT
 from kvopt.errors import KVOptError
@@ -178,6 +179,7 @@ def batch(
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="keep the results already in --output (an "
                                          "interrupted run's) and run only the other lines")] = False,  # fmt: skip
     dtype: DtypeOption = None,
+    weights: WeightsOption = None,
     device: DeviceOption = "auto",
     speculate: EngineSpeculateOption = None,
     speculate_max_batch: SpeculateMaxBatchOption = None,
@@ -193,10 +195,13 @@ def batch(
     from rich.console import Console
 
     from kvopt.engine import EngineConfig
+    from kvopt.models.device import resolve_device
+    from kvopt.models.int8_linear import check_weights
 
     steps = dict(max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
                  max_num_partial_prefills=max_num_partial_prefills, itl_target_ms=itl_target(itl_target_ms))  # fmt: skip
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, **steps)  # bad settings fail before the model loads
+    check_weights(weights, dtype, resolve_device(device))
     serving = Serving(served_model_name or model or DEFAULT_MODEL_NAME, kv_method)
     requests = read_requests(input_file, max_tokens, serving)
     console = Console(stderr=True)
@@ -209,8 +214,8 @@ def batch(
         from kvopt.engine import LLM
 
         engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size,
-                           enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
-                           speculate=speculate, speculate_max_batch=speculate_max_batch, **steps)  # fmt: skip
+                           enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs, dtype=dtype, weights=weights,
+                           device=device, speculate=speculate, speculate_max_batch=speculate_max_batch, **steps)  # fmt: skip
         if ray:
             from functools import partial
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvopt.cli.batch import batch
 from kvopt.cli.chat import chat
-from kvopt.cli.options import DeviceOption, DtypeOption, ModelOption
+from kvopt.cli.options import DeviceOption, DtypeOption, ModelOption, WeightsOption
 from kvopt.cli.serve import serve
 from kvopt.errors import KVOptError
 
@@ -95,6 +95,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 128,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="wrap the prompt in the chat template")] = True,
     dtype: DtypeOption = None,
+    weights: WeightsOption = None,
     device: DeviceOption = "auto",
     speculate: Annotated[
         Optional[str],
@@ -107,14 +108,15 @@ def generate(
     if speculate is not None:
         from kvopt.speculative.text import speculate_text, summary
 
-        text, output = speculate_text(prompt, speculate, model, method, max_new_tokens, chat, dtype, device=device)
+        text, output = speculate_text(prompt, speculate, model, method, max_new_tokens, chat, dtype, device=device,
+                                      weights=weights)
         _echo(text)
         console.print()
         console.print(summary(method, speculate, output), style="dim", highlight=False, markup=False, soft_wrap=True)
         return
     result = generate_streaming(
         prompt, model=model, method=method, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device,
-        sink=_echo,
+        weights=weights, sink=_echo,
     )
     console.print()
     console.print(result.summary(), style="dim", highlight=False, markup=False, soft_wrap=True)

@@ -17,6 +17,12 @@ DtypeOption = Annotated[
                       "avx512_bf16 or AMX; else fp32); default: the checkpoint's"),
 ]  # fmt: skip
 
+WeightsOption = Annotated[
+    Optional[str],
+    typer.Option(help="weight format: auto (in --dtype), fp32, bf16, or int8 (every linear layer in int8 with one "
+                      "scale per output channel, computed in --dtype; on a CPU: half the bytes a decode step reads)"),
+]  # fmt: skip
+
 DeviceOption = Annotated[
     str,
     typer.Option(help="where the model runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda, cuda:N "

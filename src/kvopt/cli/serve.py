@@ -12,7 +12,8 @@ import typer
 
 from kvopt.cli.options import (
     DeviceOption, DtypeOption, EngineSpeculateOption, ItlTargetOption, LongPrefillTokenThresholdOption,
-    MaxNumBatchedTokensOption, MaxNumPartialPrefillsOption, ModelOption, SpeculateMaxBatchOption, itl_target,
+    MaxNumBatchedTokensOption, MaxNumPartialPrefillsOption, ModelOption, SpeculateMaxBatchOption, WeightsOption,
+    itl_target,
 )
 from kvopt.errors import KVOptError
 
@@ -34,6 +35,7 @@ def serve(
     itl_target_ms: ItlTargetOption = "auto",
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching")] = True,
     dtype: DtypeOption = None,
+    weights: WeightsOption = None,
     device: DeviceOption = "auto",
     max_prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="longest prompt accepted (400 beyond); default: the context")] = None,
     max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="largest max_tokens accepted (400 beyond); default: the context")] = None,
@@ -80,12 +82,13 @@ def serve(
     from kvopt.methods import parse
     from kvopt.models.cpu_features import check_model_dtype
     from kvopt.models.device import resolve_device
+    from kvopt.models.int8_linear import check_weights
     from kvopt.serving import ServerSettings
     from kvopt.serving import serve as run
 
     parse(kv_method)  # a malformed spec or setting fails before the port is taken
-    resolve_device(device)
     check_model_dtype(dtype)
+    check_weights(weights, dtype, resolve_device(device))
     steps = dict(max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
                  max_num_partial_prefills=max_num_partial_prefills, itl_target_ms=itl_target(itl_target_ms))  # fmt: skip
     EngineConfig(kv_method, block_size, kv_memory, prefix_caching, max_num_seqs=max_num_seqs,
@@ -101,7 +104,7 @@ def serve(
         tier_spec(spec)
 
     engine_args = dict(model=model, kv_method=kv_method, kv_memory=kv_memory, block_size=block_size, dtype=dtype,
-                       device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
+                       weights=weights, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, kv_tiers=tiers, kv_tier_encoding=kv_tier_encoding,
                        speculate=speculate, speculate_max_batch=speculate_max_batch, session_memory=session_memory,
                        enable_chunk_caching=chunk_caching, chunk_memory=chunk_memory, blend_ratio=blend_ratio,

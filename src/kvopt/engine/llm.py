@@ -52,7 +52,8 @@ class LLM:
 
     def __init__(
         self, model=None, kv_method: str = "full", block_size: int = 16, kv_memory: str | int | float = "1GB",
-        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, enable_chunk_caching: bool = False,
+        enable_prefix_caching: bool = True, tokenizer=None, dtype=None, device=None, weights: str | None = None,
+        enable_chunk_caching: bool = False,
         blend_ratio: float = 0.15, blend_strategy: str = "cacheblend", chunk_memory: str | int | float = "256MB",
         blend_check_layer: int | None = None, **engine_options,
     ) -> None:  # fmt: skip
@@ -60,13 +61,16 @@ class LLM:
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
             from kvopt.api import load_model
 
-            model, tokenizer = load_model(model, dtype=dtype, device=device)
+            model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights)
         elif not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise EngineConfigError(f"model={model!r} is not a model; give a name or path (e.g. 'qwen2.5-coder-0.5b' "
                                     "or a Hugging Face model folder), or a loaded Hugging Face causal LM")  # fmt: skip
         elif dtype is not None:  # a loaded model runs in its own dtype: silently ignoring the setting would mislead
             raise EngineConfigError(f"dtype={dtype!r} applies to a model loaded by name; convert a loaded model "
                                     "itself (model.to(torch.bfloat16)) or pass its name or path")  # fmt: skip
+        elif weights is not None:
+            raise EngineConfigError(f"weights={weights!r} applies to a model loaded by name; quantize a loaded model "
+                                    "with kvopt.models.int8_linear.quantize_linears(model) or pass its name or path")  # fmt: skip
         _check_context(config.max_model_len, model)
         self.engine = LLMEngine(model, tokenizer, config)
         if enable_chunk_caching:

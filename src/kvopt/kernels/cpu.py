@@ -35,7 +35,10 @@ from kvopt.paths import cache_root
 
 ENV_SWITCH = "KVOPT_CPU_KERNELS"
 _OFF = ("0", "false", "no", "off")
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+#: The extension's sources: decode attention, and linear layers over a few rows (weight-only int8 among them).
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "weight_rows.cpp"))
+#: What they include (a change rebuilds them too).
+HEADERS = (Path(__file__).with_name("csrc") / "vectors.h",)
 #: Head dims the kernel is compiled for (its vectors hold 16 floats).
 HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
 #: Query heads per KV head it holds (a GQA group).
@@ -43,6 +46,7 @@ MAX_GROUP = 16
 #: The pool dtypes it reads.
 DTYPES = (torch.float32, torch.bfloat16)
 DecodeAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+LinearRows = Callable[..., torch.Tensor]
 
 
 def switched_off() -> bool:
@@ -69,6 +73,18 @@ def decode_attention() -> DecodeAttention | None:
     return torch.ops.kvopt_cpu.decode_attention if _library() else None
 
 
+def linear_rows() -> LinearRows | None:
+    """The few-rows linear op, or None where the kernels cannot be built here (warned once) or are switched off.
+
+    ``op(input [M, K] fp32/bf16, weight [N, K] int8/bf16/fp32 contiguous, scale=None [N], bias=None [N]) ->
+    [M, N]`` in the input's dtype: ``(input @ weight.T) * scale + bias`` with fp32 products and sums, each weight
+    row read once for all ``M`` rows. Built for decode steps: one row per sequence is bound by reading the
+    weights, and it streams them at the memory's pace; at more rows a BLAS's tiling wins (see
+    :class:`kvopt.models.int8_linear.Int8Linear`).
+    """
+    return torch.ops.kvopt_cpu.linear_rows if _library() else None
+
+
 @functools.cache
 def _library() -> bool:
     """Build (or load) the kernels once per process; False where they cannot be (warned once) or are switched off."""
@@ -79,8 +95,8 @@ def _library() -> bool:
     except Exception as error:  # no compiler, no ninja, a build error: PyTorch's kernels serve instead
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         warnings.warn(
-            f"kvopt's CPU decode-attention kernels cannot be built on this machine ({reason}); decode attention "
-            f"takes PyTorch's kernels (the same results, slower at long contexts). Install a C++ compiler "
+            f"kvopt's CPU kernels cannot be built on this machine ({reason}); decode attention and int8 weights "
+            f"take PyTorch's kernels (the same results, slower). Install a C++ compiler "
             f"(g++ or clang) to build them, or set {ENV_SWITCH}=0 to skip trying",
             RuntimeWarning, stacklevel=3,
         )  # fmt: skip
@@ -92,14 +108,13 @@ def _build() -> None:
     """Compile (or find already compiled) and load the extension into ``torch.ops.kvopt_cpu``."""
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    key = _build_key(source)
+    key = _build_key(b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
     folder = cache_root() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-fopenmp", *_native_flags()]
     with _ninja_on_path():
         cpp_extension.load(
-            name=f"kvopt_cpu_{key}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            name=f"kvopt_cpu_{key}", sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
             build_directory=str(folder), is_python_module=False, verbose=False,
         )  # fmt: skip
 

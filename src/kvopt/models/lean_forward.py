@@ -18,11 +18,14 @@ returns None).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvopt.models.int8_linear import Int8Linear
 
 #: ``attend(module, query [T, heads, D], key, value [T, kv_heads, D], scaling, sliding_window, softcap)``
 #: -> ``[1, T, heads, D]``: one layer's attention over the caller's KV storage (token-major inputs, as the
@@ -81,37 +84,44 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
-    """One linear computing ``linears`` side by side; their weights (and biases) become views of its own (fusing
-    them again, for a second engine on the same model, reuses that storage).
+def fuse_linears(linears: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """One linear computing ``linears`` side by side; their row tensors (``weight`` and ``bias``, or a class's own
+    ``ROW_TENSORS``: an :class:`~kvopt.models.int8_linear.Int8Linear`'s int8 weight and scales) become views of its
+    own (fusing them again, for a second engine on the same model, reuses that storage).
 
-    The fused module has the class of the first (a packed bf16 linear stays one, packing its fused weight on
-    first use); the originals' packed copies, if any, are dropped, to be rebuilt only if HF's forward runs them.
+    The fused module is a copy of the first (a packed bf16 linear stays one, packing its fused weight on first use);
+    the originals' packed copies, if any, are dropped, to be rebuilt only if HF's forward runs them.
     """
     first = linears[0]
-    weight = _side_by_side([linear.weight.detach() for linear in linears])
-    has_bias = [linear.bias is not None for linear in linears]
-    if any(has_bias) and not all(has_bias):
-        raise ValueError("fuse_linears: some linears have a bias and some do not")
-    bias = _side_by_side([linear.bias.detach() for linear in linears]) if all(has_bias) else None
-    fused = torch.nn.Linear(first.in_features, weight.shape[0], bias=bias is not None, device="meta")
-    fused.__class__ = type(first)
-    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
-    fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-    start = 0
-    for linear in linears:
-        rows = linear.out_features
-        linear.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
-        if bias is not None:
-            linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+    names = getattr(first, "ROW_TENSORS", ("weight", "bias"))
+    for name in names:
+        if len({getattr(linear, name) is None for linear in linears}) > 1:
+            raise ValueError(f"fuse_linears: some linears have a {name} and some do not")
+    fused = copy.copy(first)
+    fused.__dict__.update({key: dict(value) for key, value in first.__dict__.items() if isinstance(value, dict)})
+    fused.out_features = sum(linear.out_features for linear in linears)
+    for name in names:
+        if getattr(first, name) is None:
+            continue
+        whole = _side_by_side([getattr(linear, name).detach() for linear in linears])
+        _set_rows(fused, name, whole)
+        start = 0
+        for linear in linears:
+            _set_rows(linear, name, whole[start : start + linear.out_features])
+            start += linear.out_features
+    for module in (fused, *linears):
         for name in ("packed", "packed_from"):
-            if hasattr(linear, name):
-                setattr(linear, name, None)
-        start += rows
-    for name in ("packed", "packed_from"):
-        if hasattr(first, name):
-            setattr(fused, name, None)
+            if hasattr(module, name):
+                setattr(module, name, None)
     return fused
+
+
+def _set_rows(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Give ``module`` ``tensor`` as its parameter or buffer ``name`` (whichever it is)."""
+    if name in module._parameters:
+        module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[name] = tensor
 
 
 def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -250,7 +260,7 @@ def _shaped_as(decoder: torch.nn.Module, family: Family) -> bool:
         if not {"gate_proj", "up_proj", "down_proj"} <= {name for name, _ in mlp.named_children()}:
             return False
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
-        if not all(isinstance(linear, torch.nn.Linear) for linear in linears):
+        if not all(isinstance(linear, (torch.nn.Linear, Int8Linear)) for linear in linears):
             return False
         if any(type(getattr(layer, name)).__name__ not in family.norm_classes for name in norms):
             return False

@@ -30,6 +30,7 @@ from kvopt.errors import DefaultModelMissingError, ModelFileError, ModelNotFound
 from kvopt.models.device import resolve_device
 from kvopt.models.gguf_check import check_gguf
 from kvopt.models.cpu_features import model_dtype
+from kvopt.models.int8_linear import check_int8_serves, check_weights, quantize_linears
 from kvopt.models.packed_linear import pack_linears
 from kvopt.paths import cache_root, writable_folder
 
@@ -266,7 +267,10 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None):
+def load_pretrained(
+    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, device=None,
+    weights: str | None = None,
+):  # fmt: skip
     """Load ``(model, tokenizer)`` as transformers builds them (arguments as :func:`kvopt.load_model`, which
     calls this and then routes the attention through kvopt's: ``models`` sits below ``cache``).
     """
@@ -276,7 +280,7 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
     from safetensors import SafetensorError
 
     device = resolve_device(device)  # a missing device fails before seconds of loading
-    dtype = model_dtype(dtype, device)  # "auto" and a dtype no model runs in are settled before the load too
+    dtype = model_dtype(check_weights(weights, dtype, device), device)  # "auto", bad dtypes and weights: before the load
     folder = resolve_model_dir(name_or_path)
     config = load_config(folder)
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
@@ -294,7 +298,11 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
     if device is not None:
         model.to(device)
     model.eval().requires_grad_(False)  # inference only: a forward outside torch.no_grad() keeps no autograd state
-    pack_linears(model)
+    if weights == "int8":
+        check_int8_serves(model)
+        quantize_linears(model)
+    else:
+        pack_linears(model)
     return model, tokenizer
 
 

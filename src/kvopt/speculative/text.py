@@ -7,7 +7,7 @@ from kvopt.speculative.generate import GenerateOutput, generate
 
 def speculate_text(
     prompt: str, speculate: str, model=None, method: str = "full", max_new_tokens: int = 128, chat: bool = True,
-    dtype: str | None = None, tokenizer=None, device: str | None = None,
+    dtype: str | None = None, tokenizer=None, device: str | None = None, weights: str | None = None,
 ) -> tuple[str, GenerateOutput]:  # fmt: skip
     """Greedy answer to ``prompt`` through a ``method`` cache with ``speculate`` drafts; ``(text, output)``.
 
@@ -21,7 +21,7 @@ def speculate_text(
     proposer = parse_proposer(speculate)
     parse(method)
     if tokenizer is None:
-        model, tokenizer = load_model(model, dtype=dtype, device=device)
+        model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights)
     ids = encode_prompt(tokenizer, prompt, chat)
     output = generate(model, ids, cache=method, speculate=proposer, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
     return tokenizer.decode(output.tokens, skip_special_tokens=True), output

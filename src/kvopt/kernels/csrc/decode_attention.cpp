@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -48,20 +50,9 @@ constexpr int kMaxGroup = 16;
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-inline vfloat load_row(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vfloat load_row(const float* p) { return kvopt_vectors::load_floats<vfloat>(p); }
 
-inline vfloat load_row(const c10::BFloat16* p) {
-  vhalf bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  vuint wide = __builtin_convertvector(bits, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
+inline vfloat load_row(const c10::BFloat16* p) { return kvopt_vectors::widen_bf16<vfloat, vuint, vhalf>(p); }
 
 inline float sum_lanes(vfloat v) {
   vfloat8 a, b;
