@@ -3,13 +3,13 @@
 //
 // PyTorch's CPU flash kernel serves a decode step at 2-5 GB/s in bf16 (its tiles are built for many queries);
 // a decode step reads each key and value once, so it should run near the memory's bandwidth. Here a work unit is
-// one (sequence, KV head, chunk of keys): the group's queries stay in registers, 16 keys at a time are scored
-// (one vector of scores per query head), an online softmax keeps the running maximum and sum, and the values are
-// accumulated in fp32. Units of one (sequence, KV head) are merged by their log-sum-exp at the end.
+// one (sequence, KV head, chunk of keys): the group's queries stay in registers, a vector's width of keys at a time
+// (16 with AVX-512, 8 otherwise) are scored (one vector of scores per query head), an online softmax keeps the
+// running maximum and sum, and the values are accumulated in fp32. Units of one (sequence, KV head) are merged by
+// their log-sum-exp at the end.
 //
-// Written with GCC/Clang vector extensions (no intrinsics): the compiler maps a 16-float vector onto AVX-512, two
-// AVX2 registers, or whatever the build machine has (the extension is built with -march=native on the machine
-// that runs it; kvopt/kernels/cpu.py keys its build by the CPU's flags).
+// Written with GCC/Clang vector extensions (no intrinsics) as wide as the machine's registers (the extension is
+// built with -march=native on the machine that runs it; kvopt/kernels/cpu.py keys its build by the CPU's flags).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,7 +35,13 @@
 
 namespace {
 
+// One register of floats: 16 with AVX-512, else 8 (GCC keeps wider generic vectors in memory on an AVX2 machine:
+// 6x slower, measured). A block of keys is as many tokens as a vector has lanes.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -55,15 +61,14 @@ inline vfloat load_row(const float* p) { return kvopt_vectors::load_floats<vfloa
 inline vfloat load_row(const c10::BFloat16* p) { return kvopt_vectors::widen_bf16<vfloat, vuint, vhalf>(p); }
 
 inline float sum_lanes(vfloat v) {
-  vfloat8 a, b;
-  std::memcpy(&a, &v, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
-  a += b;
-  vfloat4 c, d;
-  std::memcpy(&c, &a, sizeof(c));
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof(c), sizeof(d));
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+#if defined(__AVX512F__)
+  const vfloat8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vfloat8 half = v;
+#endif
+  const vfloat4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
 inline float max_lanes(vfloat v) {
@@ -72,9 +77,10 @@ inline float max_lanes(vfloat v) {
   return m;
 }
 
-// The 16 lane sums of ``x[0..15]`` as one vector (lane j: the sum of x[j]'s lanes): a tree of shuffles and adds
-// (15 steps of two shuffles and an add, where 16 separate reductions take ~8 steps each).
-inline vfloat sum_lanes_of_16(vfloat* x) {
+// The lane sums of ``x[0..kLanes-1]`` as one vector (lane j: the sum of x[j]'s lanes): a tree of shuffles and adds
+// (kLanes - 1 steps of two shuffles and an add, where kLanes separate reductions take log2(kLanes) + 4 steps each).
+#if defined(__AVX512F__)
+inline vfloat transposed_sums(vfloat* x) {
   vfloat y[8], z[4], w[2];
   for (int p = 0; p < 8; ++p) {
     y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -91,6 +97,21 @@ inline vfloat sum_lanes_of_16(vfloat* x) {
   return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vfloat transposed_sums(vfloat* x) {
+  vfloat y[4], z[2];
+  for (int p = 0; p < 4; ++p) {
+    y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int p = 0; p < 2; ++p) {
+    z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // exp(x) for x <= 0 (scores minus their running maximum), Cephes' expf: 2^n * exp(r), |r| <= ln2 / 2, a degree-6
 // polynomial; relative error ~1e-7, the float's own precision. Below -87 it returns 0.
@@ -115,7 +136,7 @@ inline vfloat exp_nonpositive(vfloat x) {
   return tiny ? splat(0.0f) : out;
 }
 
-// One block of 16 scores (lanes without a key at -inf, at least one with) into a running softmax: the running
+// One block of kLanes scores (lanes without a key at -inf, at least one with) into a running softmax: the running
 // maximum ``m`` and sum ``l`` updated, the block's weights returned, and the factor the earlier sum and outputs are
 // scaled by in ``correction``.
 inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction) {
@@ -127,7 +148,7 @@ inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction
   return weights;
 }
 
-// The 16 scores of a block of keys ``[16][V]`` (fp32) against one query (``V`` vectors).
+// The kLanes scores of a block of keys ``[kLanes][V]`` (fp32) against one query (``V`` vectors).
 template <int V>
 inline vfloat score_block(const float* query, const vfloat (*keys)[V]) {
   vfloat qv[V];
@@ -138,10 +159,10 @@ inline vfloat score_block(const float* query, const vfloat (*keys)[V]) {
     for (int i = 1; i < V; ++i) dot += qv[i] * keys[j][i];
     dots[j] = dot;
   }
-  return sum_lanes_of_16(dots);
+  return transposed_sums(dots);
 }
 
-// A block's softmax weights (from its scores) times its first ``n`` value rows ``[16][V]`` added into one query's
+// A block's softmax weights (from its scores) times its first ``n`` value rows ``[kLanes][V]`` added into one query's
 // running output ``out`` (V vectors), its running maximum ``m`` and sum ``l`` updated.
 template <int V>
 inline void accumulate_block(vfloat scores, const vfloat (*values)[V], int n, float& m, float& l, float* out) {
@@ -338,9 +359,9 @@ struct CodeReader {
   CodeLayout layout;
   int group;
   int64_t channel_groups;
-  int64_t channel_group_of[V];  // the value channel group of each 16-channel vector
+  int64_t channel_group_of[V];  // the value channel group of each vector of channels
 
-  // The codes of tokens first ... first + 15 of a group as floats, unscaled: [16][V] vectors. A byte row holds
+  // The codes of tokens first ... first + kLanes - 1 of a group as floats, unscaled: [kLanes][V] vectors. A byte row holds
   // tokens r, r + rows, ... (planar): the row and the field advance together.
   void code_block(const uint8_t* codes, int64_t first, vfloat (*out)[V]) const {
     const int64_t rows = layout.tokens * layout.bits / 8;
@@ -361,7 +382,7 @@ struct CodeReader {
   }
 
   // Attention over quantized groups without dequantized keys: a key's score is (q * key scale) . codes + q . key zero
-  // (scales and zero-points per channel, folded into each query once per group); values are dequantized 16 tokens
+  // (scales and zero-points per channel, folded into each query once per group); values are dequantized kLanes tokens
   // at a time in registers, once for the group's queries.
   void operator()(const Unit& unit, const float* q, float* m, float* l, float* acc) const {
     std::vector<float> value_scale(layout.tokens * channel_groups), value_zero(layout.tokens * channel_groups);
@@ -445,12 +466,12 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 
 #define KVOPT_FOR_EACH_DIM(dim, CALL)                                                              \
   switch (dim) {                                                                                  \
-    case 32: { constexpr int V = 2; CALL; break; }                                                \
-    case 64: { constexpr int V = 4; CALL; break; }                                                \
-    case 80: { constexpr int V = 5; CALL; break; }                                                \
-    case 96: { constexpr int V = 6; CALL; break; }                                                \
-    case 128: { constexpr int V = 8; CALL; break; }                                               \
-    case 256: { constexpr int V = 16; CALL; break; }                                              \
+    case 32: { constexpr int V = 32 / kLanes; CALL; break; }                                                \
+    case 64: { constexpr int V = 64 / kLanes; CALL; break; }                                                \
+    case 80: { constexpr int V = 80 / kLanes; CALL; break; }                                                \
+    case 96: { constexpr int V = 96 / kLanes; CALL; break; }                                                \
+    case 128: { constexpr int V = 128 / kLanes; CALL; break; }                                               \
+    case 256: { constexpr int V = 256 / kLanes; CALL; break; }                                              \
     default: TORCH_CHECK(false, "head_dim ", dim, " is not one of 32, 64, 80, 96, 128, 256");    \
   }
 
