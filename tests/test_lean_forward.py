@@ -75,9 +75,51 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_through_either_forward(ar
             prompts, params, use_tqdm=False)]  # fmt: skip
         tokens = [[o.outputs[0].token_ids for o in run] for run in outputs]
         assert tokens[0] == tokens[1]
-        # bit-equal on the machines tried; a fused matmul may block its sums otherwise on another CPU's BLAS
-        tolerance = 1e-5
+        # fp32: within rounding (a fused matmul may block its sums otherwise on another CPU's BLAS; the CPU kernels'
+        # norms sum their squares in another order than PyTorch's); bf16: the kernels round where HF rounds, but a
+        # norm's fp32 factor one ulp off can move a value across a bf16 rounding boundary: well within bf16's step
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-3
         for a, b in zip(*outputs):
             chosen = [[step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                       for o in (a, b)]  # fmt: skip
             assert chosen[0] == pytest.approx(chosen[1], abs=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_the_cpu_kernels_glue_equals_pytorchs(family, dtype):
+    """Each small step through the CPU kernels against PyTorch's ops (the reference): fp32 within rounding; bf16
+    rounded at the same places, so nearly every value equal and none more than one bf16 step apart."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kvopt.kernels.cpu import layer_glue
+    from kvopt.models.lean_forward import KernelGlue, TorchGlue
+
+    ops = layer_glue()
+    if ops is None:
+        pytest.skip("kvopt's CPU kernels are not built here: PyTorch's glue serves")
+    torch.manual_seed(3)
+    norm = (LlamaRMSNorm(96, eps=1e-6) if family == "llama" else GemmaRMSNorm(96, eps=1e-6)).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    reference, kernels = TorchGlue(FAMILIES[family]), KernelGlue(FAMILIES[family], ops)
+    hidden, addend = (torch.randn(7, 96).to(dtype) for _ in range(2))
+    qkv = torch.randn(7, 8 * 16).to(dtype)
+    cos, sin = torch.randn(7, 1, 16).to(dtype), torch.randn(7, 1, 16).to(dtype)
+    gate_up = torch.randn(7, 2 * 40).to(dtype)
+    pairs = [
+        (reference.norm(hidden, norm), kernels.norm(hidden, norm)),
+        *zip(reference.add_norm(hidden, addend, norm), kernels.add_norm(hidden, addend, norm)),
+        (reference.rotary(qkv, cos, sin, 6, 16), kernels.rotary(qkv, cos, sin, 6, 16)),
+        (reference.gated(torch.nn.SiLU())(gate_up), kernels.gated(torch.nn.SiLU())(gate_up)),
+    ]
+    for expected, got in pairs:
+        assert got.shape == expected.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        else:
+            assert (got == expected).float().mean() > 0.97
+            torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2**-7)
+    gelu = torch.nn.GELU(approximate="tanh")  # Gemma's activation is no SiLU: PyTorch's ops serve it
+    assert torch.equal(kernels.gated(gelu)(gate_up), reference.gated(gelu)(gate_up))

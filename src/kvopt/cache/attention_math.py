@@ -320,18 +320,21 @@ class GroupRecords:
 def decode_over_runs(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: torch.Tensor, offsets: torch.Tensor,
     scale: float, groups: GroupRecords | None = None,
+    written: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One query per sequence over its slots of a pool, all visible (and over its quantized ``groups``, if any),
-    through the CPU decode kernel (where :func:`decode_kernel_serves`): ``query [S, heads, D]``,
-    ``keys``/``values [kv_heads, slots, D]``, sequence ``s`` reading runs ``offsets[s]:offsets[s+1]`` of ``runs [R,
-    2]`` (``(start, stop)``). Returns the output ``[S, heads, D]`` and log-sum-exp ``[S, heads]``, fp32 (accumulated
-    in fp32 whatever the pool's dtype), every part merged."""
+    through the CPU decode kernel (where :func:`decode_kernel_serves`): ``query [S, heads, D]`` (fp32 or bf16, rows
+    contiguous), ``keys``/``values [kv_heads, slots, D]``, sequence ``s`` reading runs ``offsets[s]:offsets[s+1]``
+    of ``runs [R, 2]`` (``(start, stop)``); ``written``: ``(keys [T, kv_heads, D], values, slots [T])`` stored to
+    the pool in the same call, before attending (a decode step's own tokens). Returns the output ``[S, heads, D]``
+    and log-sum-exp ``[S, heads]``, fp32 (accumulated in fp32 whatever the pool's dtype), every part merged."""
     count, heads, dim = query.shape
     kv_heads = keys.shape[0]
-    folded = query.float().reshape(count, kv_heads, heads // kv_heads, dim).contiguous()
+    folded = query.view(count, kv_heads, heads // kv_heads, dim)
     code_args = () if groups is None else (groups.key_records, groups.value_records, groups.blocks.contiguous(),
                                            groups.records.contiguous(), groups.counts.contiguous(), groups.layout)  # fmt: skip
-    output, lse = cpu_kernels.decode_attention()(folded, keys, values, runs, offsets, scale, *code_args)
+    write = {} if written is None else dict(zip(("new_keys", "new_values", "slots"), written))
+    output, lse = cpu_kernels.decode_attention()(folded, keys, values, runs, offsets, scale, *code_args, **write)
     return output.view(count, heads, dim), lse.view(count, heads)
 
 

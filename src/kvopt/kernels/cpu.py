@@ -35,8 +35,10 @@ from kvopt.paths import cache_root
 
 ENV_SWITCH = "KVOPT_CPU_KERNELS"
 _OFF = ("0", "false", "no", "off")
-#: The extension's sources: decode attention, and linear layers over a few rows (weight-only int8 among them).
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "weight_rows.cpp"))
+#: The extension's sources: decode attention, linear layers over a few rows (weight-only int8 among them), and a
+#: decoder layer's small steps between its matmuls.
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("decode_attention.cpp", "weight_rows.cpp", "layer_glue.cpp"))  # fmt: skip
 #: What they include (a change rebuilds them too).
 HEADERS = (Path(__file__).with_name("csrc") / "vectors.h",)
 #: Head dims the kernel is compiled for (its vectors hold 16 floats).
@@ -83,6 +85,15 @@ def linear_rows() -> LinearRows | None:
     :class:`kvopt.models.int8_linear.Int8Linear`).
     """
     return torch.ops.kvopt_cpu.linear_rows if _library() else None
+
+
+def layer_glue():
+    """The namespace of a decoder layer's small steps (``torch.ops.kvopt_cpu``), or None where the kernels cannot be
+    built here (warned once) or are switched off: ``rms_norm(x, weight, eps, plus_one)``, ``add_rms_norm(x, addend,
+    weight, eps, plus_one) -> (x + addend, its norm)``, ``rotary(qkv, cos, sin, heads, dim)`` (the first ``heads``
+    heads of each row rotated, ``sin``'s first half negated) and ``silu_mul(gate_up)``, over contiguous fp32 or bf16
+    rows ``[tokens, width]``, rounding where Hugging Face's modules round (:mod:`kvopt.models.lean_forward`)."""
+    return torch.ops.kvopt_cpu if _library() else None
 
 
 @functools.cache

@@ -44,6 +44,14 @@ def _gemma_norm(hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return (normed * (1.0 + norm.weight.float())).to(hidden.dtype)
 
 
+def _llama_eps(norm: torch.nn.Module) -> float:
+    return norm.variance_epsilon
+
+
+def _gemma_eps(norm: torch.nn.Module) -> float:
+    return norm.eps
+
+
 @dataclass(frozen=True)
 class Family:
     """How one family's decoder layer differs from llama's: its RMSNorm (and the HF classes computing it), where a
@@ -53,6 +61,10 @@ class Family:
     norm: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]
     norm_classes: frozenset[str]
     window: Callable[[torch.nn.Module], int | None]
+    #: The norm module's epsilon.
+    eps: Callable[[torch.nn.Module], float] = _llama_eps
+    #: Whether the norm scales by ``1 + weight`` in fp32 (Gemma's) rather than by the weight after rounding (llama's).
+    plus_one: bool = False
     sandwich: bool = False
 
     def layer_norms(self) -> set[str]:
@@ -79,8 +91,9 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(_llama_norm, frozenset({"LlamaRMSNorm"}), _no_window),
     "mistral": Family(_llama_norm, frozenset({"MistralRMSNorm"}), _config_window),
     "qwen2": Family(_llama_norm, frozenset({"Qwen2RMSNorm"}), _module_window),
-    "gemma": Family(_gemma_norm, frozenset({"GemmaRMSNorm"}), _no_window),
-    "gemma2": Family(_gemma_norm, frozenset({"Gemma2RMSNorm"}), _module_window, sandwich=True),
+    "gemma": Family(_gemma_norm, frozenset({"GemmaRMSNorm"}), _no_window, _gemma_eps, plus_one=True),
+    "gemma2": Family(_gemma_norm, frozenset({"Gemma2RMSNorm"}), _module_window, _gemma_eps, plus_one=True,
+                     sandwich=True),
 }
 
 
@@ -145,20 +158,83 @@ def in_row_slices(forward: Callable[[torch.Tensor], torch.Tensor], rows: int | N
     return torch.cat([forward(part) for part in hidden.split(rows, dim=-2)], dim=-2)
 
 
+class TorchGlue:
+    """A decoder layer's small steps between its matmuls (norms, the residual add before a norm, RoPE, the gated
+    activation) in PyTorch ops: any device, any dtype, HF's arithmetic op for op."""
+
+    def __init__(self, family: Family) -> None:
+        self.family = family
+
+    def norm(self, hidden: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        return self.family.norm(hidden, module)
+
+    def add_norm(self, hidden: torch.Tensor, addend: torch.Tensor, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = hidden + addend
+        return hidden, self.norm(hidden, module)
+
+    def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        """The first ``heads`` heads of each row rotated: ``[tokens, heads, dim]``. HF's ``x * cos + rotate_half(x) *
+        sin``, element for element: rotate_half(x) * sin is the halves swapped (a roll) times ``sin`` with its first
+        half negated (:meth:`LeanForward.rotary_tables`)."""
+        query_key = qkv[:, : heads * dim].view(qkv.shape[0], heads, dim)
+        return query_key * cos + query_key.roll(dim // 2, -1) * sin
+
+    def gated(self, act: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``act(gate) * up`` of a fused gate/up projection's rows."""
+
+        def gated(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return act(gate) * up
+
+        return gated
+
+
+class KernelGlue(TorchGlue):
+    """The same steps as one CPU kernel each (:func:`kvopt.kernels.cpu.layer_glue`), rounding where HF's modules
+    round: a decode step's rows cost 8-14 us per RMSNorm in PyTorch's five kernels and casts, mostly dispatch."""
+
+    def __init__(self, family: Family, ops) -> None:
+        super().__init__(family)
+        self.ops = ops
+
+    def norm(self, hidden: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        return self.ops.rms_norm(hidden, module.weight, self.family.eps(module), self.family.plus_one)
+
+    def add_norm(self, hidden: torch.Tensor, addend: torch.Tensor, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(hidden, addend, module.weight, self.family.eps(module), self.family.plus_one)
+
+    def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        return self.ops.rotary(qkv, cos, sin, heads, dim)
+
+    def gated(self, act: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.ops.silu_mul if isinstance(act, torch.nn.SiLU) else super().gated(act)
+
+
+def glue_for(family: Family, parameter: torch.Tensor) -> TorchGlue:
+    """The CPU kernels' glue for fp32/bf16 weights on a CPU where they are built, else PyTorch's."""
+    from kvopt.kernels.cpu import layer_glue
+
+    on_cpu = parameter.device.type == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16)
+    ops = layer_glue() if on_cpu else None
+    return KernelGlue(family, ops) if ops is not None else TorchGlue(family)
+
+
 class LeanLayer:
     """One decoder layer's weights, fused, and its forward over a flattened ``[tokens, hidden]`` batch."""
 
-    def __init__(self, layer: torch.nn.Module, family: Family, mlp_rows: int | None) -> None:
+    def __init__(self, layer: torch.nn.Module, family: Family, glue: TorchGlue, mlp_rows: int | None) -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.attention, self.norm = attention, family.norm
+        self.attention, self.glue = attention, glue
         self.head_dim = attention.head_dim
         self.heads = attention.q_proj.out_features // self.head_dim
         self.kv_heads = attention.k_proj.out_features // self.head_dim
+        # the projections' forwards are called directly: a decode step runs ~120 of them, each a few us of
+        # Module.__call__ bookkeeping otherwise (the fused modules are the engine's own, without hooks)
         self.qkv = fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
-        self.act = mlp.act_fn
+        self.gated = glue.gated(mlp.act_fn)
         self.scaling, self.window = attention.scaling, family.window(attention)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         self.input_norm = layer.input_layernorm
@@ -169,27 +245,31 @@ class LeanLayer:
             self.attention_out_norm, self.mlp_norm, self.mlp_out_norm = None, layer.post_attention_layernorm, None
         self.mlp_rows = mlp_rows
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        tokens, dim = hidden.shape[0], self.head_dim
-        qkv = self.qkv(self.norm(hidden, self.input_norm))
-        query_key = qkv[:, : (self.heads + self.kv_heads) * dim].view(tokens, -1, dim)
-        # HF's ``x * cos + rotate_half(x) * sin``, element for element: rotate_half(x) * sin is the halves swapped
-        # (a roll) times ``sin`` with its first half negated (:meth:`LeanForward.rotary_tables`)
-        rotated = query_key * cos + query_key.roll(dim // 2, -1) * sin
+    def __call__(
+        self, hidden: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, pending)`` after this layer: the residual stream and the MLP output still to be added to it (the
+        add runs with the next norm, in one pass)."""
+        tokens, dim, glue = hidden.shape[0], self.head_dim, self.glue
+        if pending is None:
+            normed = glue.norm(hidden, self.input_norm)
+        else:
+            hidden, normed = glue.add_norm(hidden, pending, self.input_norm)
+        qkv = self.qkv.forward(normed)
+        rotated = glue.rotary(qkv, cos, sin, self.heads + self.kv_heads, dim)
         value = qkv[:, (self.heads + self.kv_heads) * dim :].view(tokens, self.kv_heads, dim)
         attended = attend(self.attention, rotated[:, : self.heads], rotated[:, self.heads :], value, self.scaling,
                           self.window, self.softcap)  # fmt: skip
-        hidden = hidden + self._out(self.o_proj(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
+        out = self._out(self.o_proj.forward(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
+        hidden, normed = glue.add_norm(hidden, out, self.mlp_norm)
         # a long chunk's MLP activations spill out of the CPU's caches: computed in slices (ModelRunner.MLP_ROWS)
-        mlp = in_row_slices(self._mlp, self.mlp_rows, self.norm(hidden, self.mlp_norm))
-        return hidden + self._out(mlp, self.mlp_out_norm)
+        return hidden, self._out(in_row_slices(self._mlp, self.mlp_rows, normed), self.mlp_out_norm)
 
     def _out(self, output: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
-        return output if norm is None else self.norm(output, norm)
+        return output if norm is None else self.glue.norm(output, norm)
 
     def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        return self.down.forward(self.gated(self.gate_up.forward(normed)))
 
 
 @dataclass
@@ -221,8 +301,10 @@ class LeanForward:
         in the model's dtype."""
         hidden = self.embed(ids)
         cos, sin = self.rotary_tables(hidden, positions)
+        pending = None
         for layer, attend in zip(self.layers, attends):
-            hidden = layer(hidden, cos, sin, attend)
+            hidden, pending = layer(hidden, pending, cos, sin, attend)
+        hidden = hidden + pending
         # the final norm runs as a module over every row, as in HF's forward (its hooks see what HF's would)
         logits = self.head(self.norm(hidden[None])[0].index_select(0, logit_rows))
         if self.softcap is not None:
@@ -238,7 +320,8 @@ def lean_forward_for(model: torch.nn.Module, mlp_rows: int | None = None) -> Lea
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if family is None or decoder is None or not _shaped_as(decoder, family):
         return None
-    layers = [LeanLayer(layer, family, mlp_rows) for layer in decoder.layers]
+    glue = glue_for(family, next(model.parameters()))
+    layers = [LeanLayer(layer, family, glue, mlp_rows) for layer in decoder.layers]
     softcap = getattr(config, "final_logit_softcapping", None)
     return LeanForward(decoder.embed_tokens, decoder.rotary_emb, layers, decoder.norm, model.get_output_embeddings(),
                        softcap)  # fmt: skip

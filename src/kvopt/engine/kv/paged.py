@@ -317,13 +317,17 @@ class PagedLayer(SeamLayer):
         batch = self.cache.batch
         pool = self.cache.pool
         keys, values = pool.keys[self.index], pool.values[self.index]
+        plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
+        batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
+        if batched and batch.only_decodes and batch.stored_rows is None and batch.decodes.runs is not None:
+            # every row is one sequence's next token, in order: the kernel stores them and attends in one call
+            written = (key, value, batch.slot_mapping)
+            return _attend_decodes(query, keys, values, batch, scaling, self.index, written)[None]
         stored_keys, stored_values = key, value
         if batch.stored_rows is not None:
             stored_keys, stored_values = key.index_select(0, batch.stored_rows), value.index_select(0, batch.stored_rows)
         keys.index_copy_(1, batch.slot_mapping, stored_keys.transpose(0, 1))
         values.index_copy_(1, batch.slot_mapping, stored_values.transpose(0, 1))
-        plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
-        batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
         if batched and batch.only_decodes:  # every row is one sequence's next token, in order
             return _attend_decodes(query, keys, values, batch, scaling, self.index)[None]
         decoded = _attend_decodes(query, keys, values, batch, scaling, self.index) if batched else None
@@ -375,9 +379,10 @@ def _attend_stored(query, keys, values, seq: SequenceSlots, scaling, softcap) ->
     return [attention_math.attention_with_lse(query, k, v, None, scaling, softcap) for k, v in pieces]
 
 
-def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int) -> torch.Tensor:
+def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int, written=None) -> torch.Tensor:
     """Every single-query sequence at once, compressed ones' quantized groups (layer ``layer``) included: ``[S, heads, dim]``
-    from the step's token-major ``query [tokens, heads, dim]``."""
+    from the step's token-major ``query [tokens, heads, dim]``; ``written`` (the CPU kernel's path only): the step's
+    ``(keys, values, slots)`` for the kernel to store first."""
     group = batch.decodes
     heads, dim = query.shape[1], query.shape[-1]
     count, kv_heads = len(group.members), keys.shape[0]
@@ -391,7 +396,7 @@ def _attend_decodes(query, keys, values, batch: PagedBatch, scaling, layer: int)
             groups = attention_math.GroupRecords(*codes.record_pools(layer), *group.code_rows,
                                                  codes.code_format.kernel_layout)  # fmt: skip
         output, lse = attention_math.decode_over_runs(stored, keys, values, group.runs, group.run_offsets, scale,
-                                                      groups)  # fmt: skip
+                                                      groups, written)  # fmt: skip
         if groups is not None or not group.coded:
             return output.to(query.dtype)
         output, lse = output[:, None], lse[:, None]

@@ -206,6 +206,43 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
   }
 }
 
+// The queries [S, kv_heads, group, D] (fp32 or bf16, any strides but the last) times ``scale``, contiguous fp32.
+template <typename T>
+void scale_rows(const at::Tensor& query, float scale, float* out) {
+  const T* q = query.data_ptr<T>();
+  const int64_t dim = query.size(3);
+  for (int64_t s = 0; s < query.size(0); ++s) {
+    for (int64_t h = 0; h < query.size(1); ++h) {
+      for (int64_t g = 0; g < query.size(2); ++g) {
+        const T* row = q + s * query.stride(0) + h * query.stride(1) + g * query.stride(2);
+        for (int64_t d = 0; d < dim; ++d) *out++ = static_cast<float>(row[d]) * scale;
+      }
+    }
+  }
+}
+
+std::vector<float> scaled_queries(const at::Tensor& query, float scale) {
+  std::vector<float> out(query.numel());
+  if (query.scalar_type() == at::kFloat) scale_rows<float>(query, scale, out.data());
+  else scale_rows<c10::BFloat16>(query, scale, out.data());
+  return out;
+}
+
+// The step's new keys or values [tokens, kv_heads, D] (any strides but the last) written to their slots of a pool
+// [kv_heads, slots, D], in the pool's dtype.
+void write_rows(const at::Tensor& rows, const at::Tensor& slots, at::Tensor& pool) {
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t dim = pool.size(2), bytes = dim * pool.element_size();
+  const char* source = static_cast<const char*>(rows.data_ptr());
+  char* target = static_cast<char*>(pool.data_ptr());
+  for (int64_t t = 0; t < rows.size(0); ++t) {
+    for (int64_t h = 0; h < rows.size(1); ++h) {
+      std::memcpy(target + (h * pool.stride(0) + slot[t] * dim) * pool.element_size(),
+                  source + (t * rows.stride(0) + h * rows.stride(1)) * rows.element_size(), bytes);
+    }
+  }
+}
+
 struct Unit {
   int source;                          // 0: the pool's slots through runs, 1: quantized groups in their records
   int64_t sequence, head, begin, end;  // items begin:end of that source for the sequence (tokens, or groups)
@@ -242,9 +279,7 @@ void attend_units(const at::Tensor& query, double scale, const std::vector<Sourc
   first_unit[sequences * heads] = static_cast<int64_t>(units.size());
   const int64_t count = static_cast<int64_t>(units.size());
   std::vector<float> part_acc(count * group * kDim), part_max(count * group), part_sum(count * group);
-  std::vector<float> scaled(query.numel());
-  const float* q_in = query.data_ptr<float>();
-  for (int64_t i = 0; i < query.numel(); ++i) scaled[i] = q_in[i] * static_cast<float>(scale);
+  const std::vector<float> scaled = scaled_queries(query, static_cast<float>(scale));
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     for (int64_t u = first; u < last; ++u) {
       const Unit& unit = units[u];
@@ -475,7 +510,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     default: TORCH_CHECK(false, "head_dim ", dim, " is not one of 32, 64, 80, 96, 128, 256");    \
   }
 
-// query [S, kv_heads, group, D] fp32 contiguous; keys/values [kv_heads, slots, D] (fp32 or bf16, rows contiguous);
+// query [S, kv_heads, group, D] fp32 or bf16 (any strides but the last); keys/values [kv_heads, slots, D] (fp32 or
+// bf16, rows contiguous); given new_keys/new_values [T, kv_heads, D] (the pool's dtype, any strides but the last)
+// and slots [T] int64, those rows are written to their slots first (a decode step's own keys and values);
 // runs [R, 2] int64 (start, stop) slot ranges, each sequence's in its token order; offsets [S + 1] int64 (sequence
 // s owns runs offsets[s]:offsets[s+1]). With codes, each sequence also attends over quantized groups read in place:
 // key_records/value_records one layer's pools as bytes [kv_heads, blocks, block bytes]; blocks/records [S, G] int64
@@ -488,9 +525,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& offsets, double scale, const std::optional<at::Tensor>& key_records,
     const std::optional<at::Tensor>& value_records, const std::optional<at::Tensor>& blocks,
     const std::optional<at::Tensor>& records, const std::optional<at::Tensor>& counts,
-    at::OptionalIntArrayRef layout) {
-  TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "decode_attention: query must be a contiguous fp32 [sequences, kv_heads, group, head_dim] tensor");
+    at::OptionalIntArrayRef layout, const std::optional<at::Tensor>& new_keys,
+    const std::optional<at::Tensor>& new_values, const std::optional<at::Tensor>& slots) {
+  TORCH_CHECK(query.dim() == 4 && (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
+                  query.stride(3) == 1,
+              "decode_attention: query must be an fp32 or bf16 [sequences, kv_heads, group, head_dim] tensor with "
+              "contiguous rows");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.scalar_type() == values.scalar_type(),
               "decode_attention: keys and values must be [kv_heads, slots, head_dim] tensors of one dtype");
   const int64_t dim = query.size(3), sequences = query.size(0);
@@ -524,8 +564,21 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
                 "decode_attention: blocks/records [sequences, groups] and counts [sequences] must be contiguous int64");
     codes = Codes{&*key_records, &*value_records, &*blocks, &*records, &*counts, code};
   }
-  auto out = at::empty(query.sizes(), query.options());
-  auto lse = at::empty({sequences, query.size(1), query.size(2)}, query.options());
+  if (slots.has_value()) {
+    TORCH_CHECK(new_keys && new_values && slots->scalar_type() == at::kLong && slots->is_contiguous(),
+                "decode_attention: writing rows needs new_keys, new_values and int64 slots");
+    for (const at::Tensor* rows : {&*new_keys, &*new_values}) {
+      TORCH_CHECK(rows->dim() == 3 && rows->size(0) == slots->numel() && rows->size(1) == keys.size(0) &&
+                      rows->size(2) == dim && rows->stride(2) == 1 && rows->scalar_type() == keys.scalar_type(),
+                  "decode_attention: new rows must be [slots, kv_heads, head_dim] in the pool's dtype");
+    }
+    at::Tensor key_pool = keys, value_pool = values;
+    write_rows(*new_keys, *slots, key_pool);
+    write_rows(*new_values, *slots, value_pool);
+  }
+  const auto floats = query.options().dtype(at::kFloat);
+  auto out = at::empty(query.sizes(), floats);
+  auto lse = at::empty({sequences, query.size(1), query.size(2)}, floats);
   const Codes* coded = codes ? &*codes : nullptr;
   if (keys.scalar_type() == at::kBFloat16) {
     KVOPT_FOR_EACH_DIM(dim, (run<c10::BFloat16, V>(query, keys, values, runs, offsets, coded, scale, out, lse)));
@@ -539,9 +592,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
 }  // namespace
 
 TORCH_LIBRARY(kvopt_cpu, m) {
-  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, "
+  m.def("decode_attention(Tensor query, Tensor(a!) keys, Tensor(b!) values, Tensor runs, Tensor offsets, float scale, "
         "Tensor? key_records=None, Tensor? value_records=None, Tensor? blocks=None, Tensor? records=None, "
-        "Tensor? counts=None, int[]? layout=None) -> (Tensor, Tensor)");
+        "Tensor? counts=None, int[]? layout=None, Tensor? new_keys=None, Tensor? new_values=None, "
+        "Tensor? slots=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
