@@ -90,6 +90,7 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_through_either_forward(ar
 def test_the_cpu_kernels_glue_equals_pytorchs(family, dtype):
     """Each small step through the CPU kernels against PyTorch's ops (the reference): fp32 within rounding; bf16
     rounded at the same places, so nearly every value equal and none more than one bf16 step apart."""
+    from transformers.activations import ACT2FN
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -113,6 +114,7 @@ def test_the_cpu_kernels_glue_equals_pytorchs(family, dtype):
         *zip(reference.add_norm(hidden, addend, norm), kernels.add_norm(hidden, addend, norm)),
         (reference.rotary(qkv, cos, sin, 6, 16), kernels.rotary(qkv, cos, sin, 6, 16)),
         (reference.gated(torch.nn.SiLU())(gate_up), kernels.gated(torch.nn.SiLU())(gate_up)),
+        (reference.gated(ACT2FN["silu"])(gate_up), kernels.gated(ACT2FN["silu"])(gate_up)),
     ]
     for expected, got in pairs:
         assert got.shape == expected.shape and got.dtype == dtype
@@ -123,3 +125,16 @@ def test_the_cpu_kernels_glue_equals_pytorchs(family, dtype):
             torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2**-7)
     gelu = torch.nn.GELU(approximate="tanh")  # Gemma's activation is no SiLU: PyTorch's ops serve it
     assert torch.equal(kernels.gated(gelu)(gate_up), reference.gated(gelu)(gate_up))
+
+
+def test_hf_silu_activation_goes_through_the_kernel():
+    """transformers' own SiLU module (what llama-family configs name) takes the fused kernel, not three ops."""
+    from transformers.activations import ACT2FN
+
+    from kvopt.kernels.cpu import layer_glue
+    from kvopt.models.lean_forward import KernelGlue
+
+    ops = layer_glue()
+    if ops is None:
+        pytest.skip("kvopt's CPU kernels are not built here: PyTorch's glue serves")
+    assert KernelGlue(FAMILIES["llama"], ops).gated(ACT2FN["silu"]) is ops.silu_mul

@@ -18,7 +18,8 @@ from tiny_models import tiny_model
 from kvopt.engine import LLM, SamplingParams
 from kvopt.engine.config import EngineConfig, EngineConfigError
 from kvopt.engine.step_budget import (
-    AUTO_TARGET_STEPS, IDLE_TARGET_STEPS, MIN_PREFILL_CHUNK, StepClock, StepTimeModel, StepWork, chunk_work,
+    AUTO_TARGET_STEPS, IDLE_TARGET_STEPS, MIN_PREFILL_CHUNK, REFIT_EVERY, WINDOW, StepClock, StepTimeModel, StepWork,
+    chunk_work,
 )
 from kvopt.serving import ServerSettings
 
@@ -48,6 +49,31 @@ def test_the_fit_recovers_the_machine_and_predicts_unseen_steps():
     assert model.coefficients == pytest.approx([FIXED, PER_TOKEN, PER_PAIR], rel=1e-6)
     unseen = chunk_work(3000, 700) + StepWork(16, 16 * 500)
     assert model.predict(unseen) == pytest.approx(synthetic_seconds(unseen), rel=1e-6)
+
+
+def test_a_full_decode_window_refits_every_few_steps_and_a_prompt_step_at_once():
+    """Decode-only steps refit the model every REFIT_EVERY once the window is full (a fit costs a few percent of a
+    single request's step); until then, and after any step with prompt tokens, every step refits."""
+    model = fitted()
+    while len(model.decode_steps) < WINDOW:  # filling the decode window: every step refits
+        work = StepWork(1, 100 + len(model.decode_steps))
+        model.observe(work, synthetic_seconds(work, 2.0), computed_prompt=False)
+        assert model.unfitted == 0 or len(model.decode_steps) == WINDOW
+    for _ in range(REFIT_EVERY):  # the window full: a refit comes within REFIT_EVERY steps
+        model.observe(StepWork(1, 150), synthetic_seconds(StepWork(1, 150), 2.0), computed_prompt=False)
+        if model.unfitted == 0:
+            break
+    assert model.unfitted == 0
+    before = model.coefficients.copy()
+    for step in range(REFIT_EVERY - 1):
+        model.observe(StepWork(1, 200), synthetic_seconds(StepWork(1, 200), 3.0), computed_prompt=False)
+    assert (model.coefficients == before).all() and model.unfitted == REFIT_EVERY - 1
+    model.observe(StepWork(1, 200), synthetic_seconds(StepWork(1, 200), 3.0), computed_prompt=False)
+    assert model.unfitted == 0 and not (model.coefficients == before).all()
+    model.observe(StepWork(1, 200), synthetic_seconds(StepWork(1, 200), 3.0), computed_prompt=False)
+    work = chunk_work(0, 300)
+    model.observe(work, synthetic_seconds(work, 3.0), computed_prompt=True)
+    assert model.unfitted == 0
 
 
 def test_the_most_tokens_fill_the_target_and_no_more():

@@ -58,15 +58,19 @@ class Int8Linear(torch.nn.Module):
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows = input.reshape(-1, self.in_features)
+        # a decode step calls ~120 of these: the buffers are read from their dict (Module.__getattr__ costs a
+        # microsecond each) and a 2-D input is neither reshaped nor viewed
+        buffers = self._buffers
+        qweight, scale, bias = buffers["qweight"], buffers["scale"], buffers["bias"]
+        rows = input if input.dim() == 2 else input.reshape(-1, self.in_features)
         kernel = linear_rows() if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS else None
         if kernel is not None and rows.dtype in (torch.float32, torch.bfloat16):
-            output = kernel(rows, self.qweight, self.scale, self.bias)
+            output = kernel(rows, qweight, scale, bias)
         else:
-            output = F.linear(rows, self.qweight.to(rows.dtype)) * self.scale.to(rows.dtype)
-            if self.bias is not None:
-                output = output + self.bias.to(rows.dtype)
-        return output.view(*input.shape[:-1], self.out_features)
+            output = F.linear(rows, qweight.to(rows.dtype)) * scale.to(rows.dtype)
+            if bias is not None:
+                output = output + bias.to(rows.dtype)
+        return output if input.dim() == 2 else output.view(*input.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

@@ -207,7 +207,14 @@ class KernelGlue(TorchGlue):
         return self.ops.rotary(qkv, cos, sin, heads, dim)
 
     def gated(self, act: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return self.ops.silu_mul if isinstance(act, torch.nn.SiLU) else super().gated(act)
+        return self.ops.silu_mul if _is_silu(act) else super().gated(act)
+
+
+def _is_silu(act: torch.nn.Module) -> bool:
+    """PyTorch's SiLU module, or transformers' (``ACT2FN["silu"]``, a module of its own calling ``F.silu``)."""
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (torch.nn.SiLU, SiLUActivation))
 
 
 def glue_for(family: Family, parameter: torch.Tensor) -> TorchGlue:
