@@ -23,8 +23,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvopt memory --seq-len 8192 --method snapkv:ratio=0.75+kivi:bits=4
-	$(BIN)/kvopt generate "Write a short story about a robot who learns to paint." --method streamingllm:budget=96 --max-new-tokens 160
-	$(BIN)/kvopt generate "What is the capital of France? Answer in one sentence." --method kivi:bits=4,residual=32 --max-new-tokens 48
+	$(BIN)/kvopt generate "Write a short story about a robot who learns to paint." --method streamingllm:budget=96 --max-new-tokens 160 --dtype auto
+	$(BIN)/kvopt generate "What is the capital of France? Answer in one sentence." --method kivi:bits=4,residual=32 --max-new-tokens 48 --dtype auto
 	mkdir -p results
 	$(BIN)/kvopt batch examples/batch.jsonl -o results/demo-batch.jsonl --max-num-seqs 4
 

@@ -116,11 +116,11 @@ def test_ctrl_c_stops_with_130_and_one_line():
     """A real SIGINT to a real process, while its command runs (the generation is a stand-in that waits)."""
     script = (
         "import os, signal, sys, time\n"
-        "import kvopt.runtime\n"
+        "import kvopt.engine.streaming\n"
         "def generate(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(30)\n"
-        "kvopt.runtime.generate_streaming = generate\n"
+        "kvopt.engine.streaming.stream_through_engine = generate\n"
         "from kvopt.cli.main import main\n"
         "sys.argv = ['kvopt', 'generate', 'Write a long story']\n"
         "main()\n"

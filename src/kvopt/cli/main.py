@@ -103,7 +103,7 @@ def generate(
     ] = None,
 ) -> None:
     """Stream an answer token by token, then print one stats line (with --speculate: the answer once done)."""
-    from kvopt.runtime import generate_streaming
+    from kvopt.engine.streaming import stream_through_engine
 
     if speculate is not None:
         from kvopt.speculative.text import speculate_text, summary
@@ -114,7 +114,7 @@ def generate(
         console.print()
         console.print(summary(method, speculate, output), style="dim", highlight=False, markup=False, soft_wrap=True)
         return
-    result = generate_streaming(
+    result = stream_through_engine(
         prompt, model=model, method=method, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device,
         weights=weights, sink=_echo,
     )

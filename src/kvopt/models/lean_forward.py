@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvopt.models.few_rows import few_rows_forward
 from kvopt.models.int8_linear import Int8Linear
 
 #: ``attend(module, query [T, heads, D], key, value [T, kv_heads, D], scaling, sliding_window, softcap)``
@@ -235,12 +236,14 @@ class LeanLayer:
         self.head_dim = attention.head_dim
         self.heads = attention.q_proj.out_features // self.head_dim
         self.kv_heads = attention.k_proj.out_features // self.head_dim
-        # the projections' forwards are called directly: a decode step runs ~120 of them, each a few us of
-        # Module.__call__ bookkeeping otherwise (the fused modules are the engine's own, without hooks)
         self.qkv = fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
+        # the projections' forwards, called directly (a decode step runs ~120 of them, each a few us of
+        # Module.__call__ bookkeeping otherwise; the fused modules are the engine's own, without hooks), a decode
+        # step's few rows through the CPU kernel
+        self.projections = [few_rows_forward(module) for module in (self.qkv, self.o_proj, self.gate_up, self.down)]
         self.gated = glue.gated(mlp.act_fn)
         self.scaling, self.window = attention.scaling, family.window(attention)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
@@ -262,12 +265,13 @@ class LeanLayer:
             normed = glue.norm(hidden, self.input_norm)
         else:
             hidden, normed = glue.add_norm(hidden, pending, self.input_norm)
-        qkv = self.qkv.forward(normed)
+        qkv_forward, o_forward = self.projections[:2]
+        qkv = qkv_forward(normed)
         rotated = glue.rotary(qkv, cos, sin, self.heads + self.kv_heads, dim)
         value = qkv[:, (self.heads + self.kv_heads) * dim :].view(tokens, self.kv_heads, dim)
         attended = attend(self.attention, rotated[:, : self.heads], rotated[:, self.heads :], value, self.scaling,
                           self.window, self.softcap)  # fmt: skip
-        out = self._out(self.o_proj.forward(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
+        out = self._out(o_forward(attended.reshape(tokens, self.heads * dim)), self.attention_out_norm)
         hidden, normed = glue.add_norm(hidden, out, self.mlp_norm)
         # a long chunk's MLP activations spill out of the CPU's caches: computed in slices (ModelRunner.MLP_ROWS)
         return hidden, self._out(in_row_slices(self._mlp, self.mlp_rows, normed), self.mlp_out_norm)
@@ -276,7 +280,8 @@ class LeanLayer:
         return output if norm is None else self.glue.norm(output, norm)
 
     def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.down.forward(self.gated(self.gate_up.forward(normed)))
+        gate_up, down = self.projections[2:]
+        return down(self.gated(gate_up(normed)))
 
 
 @dataclass
@@ -291,6 +296,10 @@ class LeanForward:
     head: torch.nn.Module
     #: Gemma 2's final-logit soft-capping (None: none).
     softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        #: The output projection over the sampled rows (a decode step's few through the CPU kernel).
+        self.head_forward = few_rows_forward(self.head)
 
     def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own RoPE ``cos`` and ``sin`` at ``positions`` (every scaling type its rotary module knows),
@@ -313,7 +322,7 @@ class LeanForward:
             hidden, pending = layer(hidden, pending, cos, sin, attend)
         hidden = hidden + pending
         # the final norm runs as a module over every row, as in HF's forward (its hooks see what HF's would)
-        logits = self.head(self.norm(hidden[None])[0].index_select(0, logit_rows))
+        logits = self.head_forward(self.norm(hidden[None])[0].index_select(0, logit_rows))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
