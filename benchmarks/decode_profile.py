@@ -37,6 +37,8 @@ ROWS = ROOT / "benchmarks" / "results" / "decode_profile.jsonl"
 #: Op groups, in the order the table lists them.
 GROUPS = ("weight matmuls", "output projection", "attention", "other torch ops", "outside torch ops")
 MATMULS = {"aten::mm", "aten::addmm"}
+#: kvopt's few-rows linear (kvopt.kernels.cpu; int8 weights, and a decode step's fp32/bf16 rows): ``[[M, K], [N, K], ...]``.
+ROWS_LINEAR = "kvopt_cpu::linear_rows"
 #: A bf16 linear packed for oneDNN (kvopt.models.packed_linear): ``[[M, K], [N, K], bias, ...]``.
 PACKED_LINEAR = "mkldnn::_linear_pointwise"
 #: The CPU flash kernel (the decode path calls it directly), whose shapes give its FLOPs and bytes.
@@ -66,16 +68,17 @@ def limits(dtype: torch.dtype = torch.float32, repeats: int = 5, read_mb: int = 
             "read_gbs": round(big.numel() * 4 / best(big.sum) / 1e9, 1)}  # fmt: skip
 
 
-def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str, float, float]:
+def classify(name: str, shapes: list, vocab: int, element: int = 4, weight_element: int | None = None) -> tuple[str, float, float]:
     """``(group, FLOPs, bytes read)`` of one call of an op with these input shapes, ``element`` bytes per value
-    (FLOPs and bytes only where they mean something: matmuls and the flash kernel)."""
-    if name in MATMULS or name == PACKED_LINEAR:
+    (``weight_element`` per weight, default the same; FLOPs and bytes only where they mean something: matmuls and
+    the flash kernel)."""
+    if name in MATMULS or name == PACKED_LINEAR or name == ROWS_LINEAR:
         if name in MATMULS:  # mm: [[M, K], [K, N]]; addmm: [[N], [M, K], [K, N], [], []] (bias, then beta and alpha)
             (rows, inner), (_, cols) = [shape for shape in shapes if len(shape) == 2][-2:]
         else:  # the packed weight keeps nn.Linear's [N, K]
             (rows, inner), (cols, _) = shapes[0], shapes[1]
         group = "output projection" if cols == vocab else "weight matmuls"
-        return group, 2.0 * rows * inner * cols, float(element * inner * cols)
+        return group, 2.0 * rows * inner * cols, float((weight_element or element) * inner * cols)
     if name == FLASH:  # query [B, H, q, D] (grouped queries folded: H is the KV heads), keys and values [B, H, k, D]
         (batch, heads, queries, dim), (_, kv_heads, keys, _) = shapes[0], shapes[1]
         return "attention", 4.0 * batch * heads * queries * keys * dim, 2.0 * element * batch * kv_heads * keys * dim
@@ -84,14 +87,14 @@ def classify(name: str, shapes: list, vocab: int, element: int = 4) -> tuple[str
     return "other torch ops", 0.0, 0.0
 
 
-def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
+def profile(sequences: int, steps: int, kv_memory: str, dtype: str, weights: str | None = None) -> dict:
     """Time ``steps`` decode steps of ``sequences`` running requests and split each step by op group."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from kvopt.engine import LLM, SamplingParams
 
-    llm = LLM(kv_memory=kv_memory, max_num_seqs=max(sequences, 1), dtype=dtype)
+    llm = LLM(kv_memory=kv_memory, max_num_seqs=max(sequences, 1), dtype=dtype, weights=weights)
     core = llm.engine
     prompts = serving.real_prompts(llm.tokenizer, sequences, 100, 200, seed=3)
     params = SamplingParams(max_tokens=steps * 4 + 64, ignore_eos=True)
@@ -117,7 +120,7 @@ def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
     element = core.model.dtype.itemsize
     totals = {group: {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "calls": 0} for group in GROUPS}
     for event in profiler.key_averages(group_by_input_shape=True):
-        group, flops, read = classify(event.key, event.input_shapes, vocab, element)
+        group, flops, read = classify(event.key, event.input_shapes, vocab, element, 1 if weights == "int8" else None)
         total = totals[group]
         total["seconds"] += event.self_cpu_time_total / 1e6 / steps
         total["flops"] += flops * event.count / steps
@@ -137,15 +140,16 @@ def profile(sequences: int, steps: int, kv_memory: str, dtype: str) -> dict:
     return {"step": "decode_profile", "sequences": sequences, "context_tokens": round(context), "steps": steps,
             "step_ms": round(1000 * step_seconds, 1), "tok_s": round(sequences / step_seconds, 2),
             "profiled_step_ms": round(1000 * profiled, 1), "threads": torch.get_num_threads(),
-            "dtype": str(core.model.dtype).removeprefix("torch."),
+            "dtype": str(core.model.dtype).removeprefix("torch."), "weights": weights or "auto",
             "groups": {group: {"ms": round(1000 * total["seconds"], 2), "gflop": round(total["flops"] / 1e9, 4),
                                "mb": round(total["bytes"] / 1e6, 2), "calls": round(total["calls"], 1)}
                        for group, total in totals.items()}}  # fmt: skip
 
 
 def setting(row: dict) -> tuple:
-    """What a row measured: its sequence count and dtype (rows from before the dtype was recorded: float32)."""
-    return row["sequences"], row.get("dtype", "float32")
+    """What a row measured: its sequence count, dtype and weights (rows from before these were recorded: float32,
+    auto)."""
+    return row["sequences"], row.get("dtype", "float32"), row.get("weights", "auto")
 
 
 def save(path: Path, rows: list[dict]) -> None:
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="decode steps timed, then as many profiled")
     parser.add_argument("--kv-memory", default="1GB")
     parser.add_argument("--dtype", default="fp32", help="the model's and KV's dtype: fp32, bf16 or auto (kvopt.LLM's)")
+    parser.add_argument("--weights", default=None, help="kvopt.LLM's weights: int8 (linears in int8, computing in --dtype)")
     parser.add_argument("--conditions", default="", help="what else ran on the machine (stated with the rows)")
     parser.add_argument("--results", type=Path, default=ROWS.parent)
     args = parser.parse_args()
@@ -172,7 +177,7 @@ def main() -> None:
     print(measured, flush=True)
     rows = []
     for count in (int(part) for part in args.sequences.split(",")):
-        row = profile(count, args.steps, args.kv_memory, args.dtype) | {"limits": measured, "date": time.strftime("%Y-%m-%d"),
+        row = profile(count, args.steps, args.kv_memory, args.dtype, args.weights) | {"limits": measured, "date": time.strftime("%Y-%m-%d"),
                                                            "torch": torch.__version__}  # fmt: skip
         if args.conditions:
             row["conditions"] = args.conditions
@@ -195,7 +200,7 @@ def render(rows: list[dict]) -> str:
              ""]  # fmt: skip
     for row in sorted(rows, key=setting):
         limit = row["limits"]
-        lines += [f"### {row['sequences']} sequence{'s' if row['sequences'] != 1 else ''} decoding in {setting(row)[1]} (context ~{row['context_tokens']} tokens): "
+        lines += [f"### {row['sequences']} sequence{'s' if row['sequences'] != 1 else ''} decoding in {setting(row)[1]}{' with int8 weights' if setting(row)[2] == 'int8' else ''} (context ~{row['context_tokens']} tokens): "
                   f"{row['step_ms']:.0f} ms per step, {row['tok_s']:.1f} tok/s ({row['profiled_step_ms']:.0f} ms "
                   "under the profiler, whose cost per op lands mostly on the small ops)", "",
                   f"Limits in this run: matmul {limit['matmul_gflops']} GFLOP/s, read {limit['read_gbs']} GB/s; "

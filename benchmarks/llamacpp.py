@@ -580,30 +580,33 @@ def render(rows: list[dict]) -> str:
     threads = "/".join(str(count) for count in sorted({row["threads"] for row in rows}))
     lines = [f"## llama.cpp as a peer (llama-cpp-python, {threads} thread(s))", "",
              opening("python benchmarks/llamacpp.py --kvopt fp32,auto", row_dates(ROWS), ROWS), "",
-             "Weights: the default model's GGUF (Q4_1) and an F16 re-type of it; prompts of local real text as token "
-             "ids, greedy, EOS ignored.", ""]  # fmt: skip
+             "Weights: the default model's GGUF (Q4_1) and F16 and Q8_0 re-types of it (kvopt's `int8`: its linears in "
+             "int8 with one scale per output channel, beside Q8_0's one per 32 weights); prompts of local real text as "
+             "token ids, greedy, EOS ignored.", ""]  # fmt: skip
     singles = [row for row in rows if row["step"] == "single" and not row.get("round")]
     if singles:
         # llama.cpp's F16 weights with f16 KV at each length, against rows of the same run only (the same conditions
         # stated): this CPU's speed drifts between runs by more than the differences measured
-        peer = {(r["length"], r.get("conditions")): r["decode_tok_s"] for r in singles
-                if r.get("system", "llama.cpp") == "llama.cpp" and (r["weights"], r["kv"]) == ("F16", "f16")}
+        peers = {weights: {(r["length"], r.get("conditions")): r["decode_tok_s"] for r in singles
+                           if r.get("system", "llama.cpp") == "llama.cpp" and (r["weights"], r["kv"]) == (weights, "f16")}
+                 for weights in ("F16", "Q8_0")}  # fmt: skip
         lines += ["### One request at a time", "",
                   "Decode tok/s: llama.cpp's from timing its decode calls; kvopt.LLM's from each request's first-token "
                   "and finish times (rows marked `per token`; older rows, and HF's, subtract a one-token request's "
                   "time from a 64-token one's, which at 8k tokens carries the prompt's run-to-run spread). Rows of one "
                   "run marked `interleaved` ran their repeats system after system, round after round, so the CPU's "
                   "drift over minutes falls on all alike.", "",
-                  "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s | decode vs llama.cpp F16 (same run) |",
-                  "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+                  "| system | weights | KV | prompt tokens | prefill tok/s | decode tok/s | decode vs llama.cpp F16 (same run) "
+                  "| vs Q8_0 (same run) |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in sorted(singles, key=lambda r: (r["length"], r.get("system", "llama.cpp"), r["weights"], r["kv"])):
-            same_run = peer.get((r["length"], r.get("conditions")))
-            ratio = f"{r['decode_tok_s'] / same_run:.2f}x" if same_run else "–"
+            same_run = [peers[weights].get((r["length"], r.get("conditions"))) for weights in ("F16", "Q8_0")]
+            ratios = " | ".join(f"{r['decode_tok_s'] / peer:.2f}x" if peer else "–" for peer in same_run)
             marks = ", ".join(mark for mark, on in (("per token", r.get("timed")), ("interleaved", r.get("interleaved")))
                               if on)  # fmt: skip
             lines.append(f"| {r.get('system', 'llama.cpp')} | {r['weights']} | {r['kv']} | {r['length']:,} | "
                          f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f}{f' ({marks})' if marks else ''} | "
-                         f"{ratio} |")  # fmt: skip
+                         f"{ratios} |")  # fmt: skip
         lines += [*conditions_line(singles), ""]
     many = [row for row in rows if row["step"] == "batched" and not row.get("round")]
     repeats = [row for row in rows if row["step"] == "batched" and row.get("round")]

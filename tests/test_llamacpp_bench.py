@@ -39,21 +39,25 @@ def test_a_run_replaces_only_rows_of_its_setting(tmp_path):
         ("kvopt.LLM auto", 16, 90.0), ("llama.cpp", 8, 70.0), ("llama.cpp", 16, 85.0)]
 
 
-def test_single_requests_list_every_system_by_length_against_llama_cpp_f16_of_the_same_run():
+def test_single_requests_list_every_system_by_length_against_llama_cpp_f16_and_q8_0_of_the_same_run():
     def single(system, weights, kv, length, decode, conditions, **more):
         return {"step": "single", "system": system, "weights": weights, "kv": kv, "length": length,
                 "prefill_tok_s": 300.0, "decode_tok_s": decode, "threads": 1, "conditions": conditions} | more
 
     rows = [single("llama.cpp", "F16", "f16", 512, 50.0, "run two"),
+            single("llama.cpp", "Q8_0", "f16", 512, 80.0, "run two"),
             single("kvopt.LLM auto", "bfloat16", "bfloat16", 512, 35.5, "run two", timed="per token", interleaved=True),
+            single("kvopt.LLM auto int8", "int8", "bfloat16", 512, 60.0, "run two", timed="per token"),
             single("HF generate (auto)", "bfloat16", "bfloat16", 512, 14.0, "run one"),  # another run: no ratio
             single("llama.cpp", "F16", "f16", 2048, 40.0, "run two")]  # fmt: skip
     text = llamacpp.render(rows)
     table = text[text.index("| system | weights | KV | prompt tokens |") :].splitlines()
-    assert table[2:6] == ["| HF generate (auto) | bfloat16 | bfloat16 | 512 | 300.0 | 14.0 | – |",
-                          "| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 300.0 | 35.5 (per token, interleaved) | 0.71x |",
-                          "| llama.cpp | F16 | f16 | 512 | 300.0 | 50.0 | 1.00x |",
-                          "| llama.cpp | F16 | f16 | 2,048 | 300.0 | 40.0 | 1.00x |"]  # fmt: skip
+    assert table[2:8] == ["| HF generate (auto) | bfloat16 | bfloat16 | 512 | 300.0 | 14.0 | – | – |",
+                          "| kvopt.LLM auto | bfloat16 | bfloat16 | 512 | 300.0 | 35.5 (per token, interleaved) | 0.71x | 0.44x |",
+                          "| kvopt.LLM auto int8 | int8 | bfloat16 | 512 | 300.0 | 60.0 (per token) | 1.20x | 0.75x |",
+                          "| llama.cpp | F16 | f16 | 512 | 300.0 | 50.0 | 1.00x | 0.62x |",
+                          "| llama.cpp | Q8_0 | f16 | 512 | 300.0 | 80.0 | 1.60x | 1.00x |",
+                          "| llama.cpp | F16 | f16 | 2,048 | 300.0 | 40.0 | 1.00x | – |"]  # fmt: skip
     assert "Measured with run one; run two." in text
 
 
