@@ -160,6 +160,7 @@ def test_a_model_without_linear_projections_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     with pytest.raises(KVOptError, match="weights=int8 quantizes nn.Linear projections and gpt2's layers have none"):
         check_int8_serves(model)
+    assert quantize_linears(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to quantize: nothing done
 
 
 def test_a_loaded_model_takes_no_weights_setting(tiny_with_tokenizer):

@@ -12,6 +12,8 @@ per token).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -78,12 +80,28 @@ class Int8Linear(torch.nn.Module):
 
 def quantize_linears(model: torch.nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` (packed ones included) by an :class:`Int8Linear` in place; returns how
-    many. The float weights are released unless something else holds them (a tied embedding keeps its own)."""
+    many. The float weights are released unless something else holds them (a tied embedding keeps its own), and
+    the heap they and the quantization's fp32 temporaries took is handed back to the system."""
+    count = _replace_linears(model)  # its locals, the float layers among them, are gone once it returns
+    _return_freed_heap()
+    return count
+
+
+def _replace_linears(model: torch.nn.Module) -> int:
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, torch.nn.Linear)]  # fmt: skip
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear.from_linear(child))
     return len(targets)
+
+
+def _return_freed_heap() -> None:
+    """glibc keeps freed heap for later allocations: after quantizing the default model 219 MB of it stayed in the
+    process's RSS (685 -> 466 MB once returned). ``malloc_trim`` returns it; elsewhere (another libc) nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def check_weights(
