@@ -213,8 +213,10 @@ class KernelGlue(TorchGlue):
 
 def _is_silu(act: torch.nn.Module) -> bool:
     """PyTorch's SiLU module, or transformers' (``ACT2FN["silu"]``, a module of its own calling ``F.silu``)."""
-    from transformers.activations import SiLUActivation
-
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # a release without it names torch's
+        return isinstance(act, torch.nn.SiLU)
     return isinstance(act, (torch.nn.SiLU, SiLUActivation))
 
 
