@@ -1,14 +1,17 @@
-"""bf16 against fp32 on the same prompts (#36): what running the model and its KV in bf16 (``dtype="auto"`` on a CPU
-with bf16 arithmetic) does to the answers.
+"""bf16 and int8 weights against fp32 on the same prompts (#36, #65): what running the model and its KV in bf16
+(``dtype="auto"`` on a CPU with bf16 arithmetic), or its linear layers in int8 (``weights="int8"``, computing in
+``auto``), does to the answers.
 
-    python benchmarks/precision.py                                   # default model, both dtypes (resumable)
+    python benchmarks/precision.py                                   # default model, every setting (resumable)
     python benchmarks/precision.py --model qwen2.5-coder-0.5b
+    python benchmarks/precision.py --dtypes int8                     # one setting (fp32's rows stay)
 
 The evaluation harness, query-agnostic (the context is compressed before the question is seen): passkey, niah and
 niah_multivalue at ``--length`` tokens, ``--samples`` prompts each, for ``full``, ``kvzip:ratio=0.75`` and
 ``kivi:bits=4``, once with the model loaded in fp32 and once in bf16 (weights, activations and KV; the attention
 math stays fp32 in both). The same prompts in both, so each bf16 cell is paired with its fp32 cell: of the prompts
-fp32 answers, the share bf16 answers too (Wilson interval), and how many answers are the same text.
+fp32 answers, the share bf16 answers too (Wilson interval), and how many answers are the same text; ``int8`` rows
+likewise (the linears' weights in int8 with one scale per output channel, activations and KV in ``auto``).
 
 Rows: benchmarks/results/precision.jsonl, each tagged with its ``dtype``; the harness's resumable working files live
 under results/precision/<model>/<dtype>/ (ignored) and replace that model's and dtype's rows as each run ends; on a
@@ -30,7 +33,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONDITIONS = "1 torch thread; another one-thread job ran on the other core"
 TASKS = ["passkey", "niah", "niah_multivalue"]
 METHODS = ["full", "kvzip:ratio=0.75", "kivi:bits=4"]
-DTYPES = ["fp32", "bf16"]
+DTYPES = ["fp32", "bf16", "int8"]
+#: How each setting loads the model (``kvopt.load_model`` arguments).
+LOADS = {"fp32": {"dtype": "fp32"}, "bf16": {"dtype": "bf16"}, "int8": {"dtype": "auto", "weights": "int8"}}
 #: The row fields that name a prompt (the same prompt in both dtypes).
 PROMPT = ("task", "length", "depth", "sample", "mode", "method", "seed")
 
@@ -51,9 +56,9 @@ def seed(model: str, dtype: str) -> None:
     seed_working_rows(ROWS, work_file(model, dtype), {"model": model, "dtype": dtype})
 
 
-def merge(model: str, dtype: str) -> None:
+def merge(model: str, dtype: str, conditions: str = CONDITIONS) -> None:
     """The run's working rows replace this model's rows in this dtype (other models' and dtypes' rows stay)."""
-    merge_working_rows(ROWS, work_file(model, dtype), {"model": model, "dtype": dtype}, CONDITIONS)
+    merge_working_rows(ROWS, work_file(model, dtype), {"model": model, "dtype": dtype}, conditions)
 
 
 # -- the section ------------------------------------------------------------------------------------------------
@@ -64,13 +69,15 @@ def render(rows: list[dict]) -> str:
     if not rows:
         return ""
     lines = [
-        "## bf16 against fp32: the same prompts' answers",
+        "## bf16 and int8 weights against fp32: the same prompts' answers",
         "",
         opening("python benchmarks/precision.py [--model qwen2.5-coder-0.5b]", row_dates(ROWS), ROWS),
         "",
-        "The model loaded in fp32 and in bf16 (`dtype=\"auto\"` on this CPU, which has bf16 arithmetic: weights, "
-        "activations and KV in bf16, attention math in fp32); query-agnostic; the same prompts in both. `kept` is the "
-        f"share of the fp32 run's correct answers the bf16 run also gives, with its 95% Wilson interval. {KEPT_RULE}",
+        "The model loaded in fp32, in bf16 (`dtype=\"auto\"` on this CPU, which has bf16 arithmetic: weights, "
+        "activations and KV in bf16, attention math in fp32) and with int8 weights (`weights=\"int8\"`: every linear "
+        "layer in int8 with one scale per output channel, computing in bf16); query-agnostic; the same prompts in "
+        "each. `keeps` is the share of the fp32 run's correct answers the other run also gives, with its 95% Wilson "
+        f"interval. {KEPT_RULE}",
         "",
     ]
     for model in dict.fromkeys(row["model"] for row in rows):
@@ -87,20 +94,21 @@ def _model_part(model: str, rows: list[dict]) -> list[str]:
         "",
         f"{', '.join(tasks)} at {lengths} tokens.",
         "",
-        "| method | prompts | fp32 accuracy | bf16 accuracy | bf16 keeps of fp32's | same answer text |",
-        "|---|---:|---|---|---|---:|",
+        "| method | setting | prompts | fp32 accuracy | its accuracy | keeps of fp32's | same answer text |",
+        "|---|---|---:|---|---|---|---:|",
     ]
     for method in dict.fromkeys(r["method"] for r in rows):
         fp32 = {_key(r): r for r in by_dtype["fp32"] if r["method"] == method}
-        bf16 = {_key(r): r for r in by_dtype["bf16"] if r["method"] == method}
-        both = sorted(fp32.keys() & bf16.keys())
-        if not both:
-            continue
-        first, second = [fp32[k] for k in both], [bf16[k] for k in both]
-        same = sum(a["prediction"].strip() == b["prediction"].strip() for a, b in zip(first, second))
-        kept = retention(second, first)
-        lines.append(f"| `{method}` | {len(both)} | {accuracy_score(first).cell()} | {accuracy_score(second).cell()} | "
-                     f"{kept.cell() if kept else '–'} | {same}/{len(both)} |")  # fmt: skip
+        for setting in DTYPES[1:]:
+            other = {_key(r): r for r in by_dtype[setting] if r["method"] == method}
+            both = sorted(fp32.keys() & other.keys())
+            if not both:
+                continue
+            first, second = [fp32[k] for k in both], [other[k] for k in both]
+            same = sum(a["prediction"].strip() == b["prediction"].strip() for a, b in zip(first, second))
+            kept = retention(second, first)
+            lines.append(f"| `{method}` | {setting} | {len(both)} | {accuracy_score(first).cell()} | "
+                         f"{accuracy_score(second).cell()} | {kept.cell() if kept else '–'} | {same}/{len(both)} |")  # fmt: skip
     return [*lines, "", *conditions_line(rows), ""]
 
 
@@ -118,6 +126,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--samples", type=int, default=8, help="prompts per task (3 tasks)")
     parser.add_argument("--collect", action="store_true", help="copy the working rows in without running")
+    parser.add_argument("--conditions", default=CONDITIONS, help="what else ran on the machine (stated with the rows)")
     args = parser.parse_args()
     import torch
 
@@ -131,10 +140,10 @@ def main() -> None:
             parser.error(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
         if not args.collect:
             seed(label, dtype)
-            loaded = kvopt.load_model(args.model, dtype=dtype)
+            loaded = kvopt.load_model(args.model, **LOADS[dtype])
             run_eval(grid(args.length, args.samples), work_file(label, dtype).parent, model_name=label, loaded=loaded,
                      progress=False)  # fmt: skip
-        merge(label, dtype)
+        merge(label, dtype, args.conditions)
     print(render(read_rows(ROWS)))
 
 
