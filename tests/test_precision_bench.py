@@ -1,4 +1,4 @@
-"""benchmarks/precision.py: each bf16 cell is paired with its fp32 cell on the same prompts, and a run's rows replace
+"""benchmarks/precision.py: each bf16 or int8 cell is paired with its fp32 cell on the same prompts, and a run's rows replace
 only its own model's and dtype's."""
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ def row(dtype, method, sample, score, prediction, model="m", task="passkey"):
             "conditions": "one thread"}  # fmt: skip
 
 
-def test_bf16_is_paired_with_fp32_on_the_same_prompts():
+def test_bf16_and_int8_are_each_paired_with_fp32_on_the_same_prompts():
     rows = [row("fp32", "full", s, 1, " 42") for s in range(4)]
     rows += [row("bf16", "full", s, score, text) for s, score, text in ((0, 1, " 42"), (1, 1, "42 "), (2, 0, " 7"), (3, 1, " 42."))]
     rows += [row("bf16", "full", 9, 1, " 42")]  # no fp32 twin: left out
+    rows += [row("int8", "full", s, score, text) for s, score, text in ((0, 0, " 9"), (1, 1, " 42"))]
     text = precision.render(rows)
     assert "### m" in text and "passkey at 2,048 tokens." in text
-    assert "| `full` | 4 | 100% [51–100] (n=4) | 75% [30–95] (n=4) | 75% [30–95] of 4 | 2/4 |" in text  # " 42." is another text
+    assert "| `full` | bf16 | 4 | 100% [51–100] (n=4) | 75% [30–95] (n=4) | 75% [30–95] of 4 | 2/4 |" in text  # " 42." is another text
+    assert "| `full` | int8 | 2 | 100% [34–100] (n=2) | 50% [9–91] (n=2) | 50% [9–91] of 2 | 1/2 |" in text
 
 
 def test_a_run_replaces_only_its_model_and_dtype_and_a_fresh_machine_resumes_from_the_rows(tmp_path, monkeypatch):
