@@ -8,8 +8,8 @@
 // running maximum and sum, and the values are accumulated in fp32. Units of one (sequence, KV head) are merged by
 // their log-sum-exp at the end.
 //
-// Written with GCC/Clang vector extensions (no intrinsics) as wide as the machine's registers (the extension is
-// built with -march=native on the machine that runs it; kvopt/kernels/cpu.py keys its build by the CPU's flags).
+// Written with GCC/Clang vector extensions as wide as the machine's registers (vectors.h; the extension is built with
+// -march=native on the machine that runs it; kvopt/kernels/cpu.py keys its build by the CPU's flags).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,19 +35,7 @@
 
 namespace {
 
-// One register of floats: 16 with AVX-512, else 8 (GCC keeps wider generic vectors in memory on an AVX2 machine:
-// 6x slower, measured). A block of keys is as many tokens as a vector has lanes.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
+using namespace kvopt_vectors;  // kLanes floats a vector: a block of keys is as many tokens
 
 //: Keys per work unit (a sequence's context is cut into chunks so that short batches still use every thread).
 constexpr int64_t kChunk = 256;
@@ -56,20 +44,9 @@ constexpr int kMaxGroup = 16;
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-inline vfloat load_row(const float* p) { return kvopt_vectors::load_floats<vfloat>(p); }
+inline vfloat load_row(const float* p) { return load_floats(p); }
 
-inline vfloat load_row(const c10::BFloat16* p) { return kvopt_vectors::widen_bf16<vfloat, vuint, vhalf>(p); }
-
-inline float sum_lanes(vfloat v) {
-#if defined(__AVX512F__)
-  const vfloat8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const vfloat8 half = v;
-#endif
-  const vfloat4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
+inline vfloat load_row(const c10::BFloat16* p) { return widen_bf16(p); }
 
 inline float max_lanes(vfloat v) {
   float m = v[0];

@@ -20,10 +20,6 @@
 
 #include "vectors.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -32,67 +28,32 @@
 
 namespace {
 
-// One register of floats: GCC keeps wider generic vectors on an AVX2 machine in memory (3 GB/s, measured), so the
-// vectors here are as wide as the machine's.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+using namespace kvopt_vectors;
+
 typedef int8_t vbyte __attribute__((vector_size(kLanes)));
 typedef int16_t vshort __attribute__((vector_size(kLanes * sizeof(int16_t))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 //: Input rows dotted with one weight row per pass (their accumulators stay in registers).
 constexpr int kRowsPerPass = 4;
 //: Weight rows per unit of parallel work.
 constexpr int64_t kGrain = 64;
 
-inline vfloat load(const float* p) { return kvopt_vectors::load_floats<vfloat>(p); }
+inline vfloat load(const float* p) { return load_floats(p); }
+inline vfloat load(const c10::BFloat16* p) { return widen_bf16(p); }
 
-#if defined(__AVX512F__)
-inline vfloat load(const c10::BFloat16* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<vfloat>(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-}
 inline vfloat load(const int8_t* p) {
+#if defined(__AVX512F__)
   __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(wide));
-}
-inline float sum_lanes(vfloat v) {
-  vfloat8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vfloat4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-#else
-#if defined(__AVX2__)
-inline vfloat load(const c10::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<vfloat>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-}
-inline vfloat load(const int8_t* p) {
+#elif defined(__AVX2__)
   __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(wide));
-}
 #else
-inline vfloat load(const c10::BFloat16* p) { return kvopt_vectors::widen_bf16<vfloat, vuint, vhalf>(p); }
-inline vfloat load(const int8_t* p) {
   vbyte bytes;
   std::memcpy(&bytes, p, sizeof(bytes));
   // widened in two steps: GCC scalarizes a single 4x widening conversion
   return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(bytes, vshort), vint), vfloat);
-}
 #endif
-inline float sum_lanes(vfloat v) {
-  vfloat4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (half[0] + half[2]) + (half[1] + half[3]);
 }
-#endif
 
 inline float to_float(float w) { return w; }
 inline float to_float(c10::BFloat16 w) { return static_cast<float>(w); }
