@@ -48,12 +48,6 @@ inline vfloat load_row(const float* p) { return load_floats(p); }
 
 inline vfloat load_row(const c10::BFloat16* p) { return widen_bf16(p); }
 
-inline float max_lanes(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
 // The lane sums of ``x[0..kLanes-1]`` as one vector (lane j: the sum of x[j]'s lanes): a tree of shuffles and adds
 // (kLanes - 1 steps of two shuffles and an add, where kLanes separate reductions take log2(kLanes) + 4 steps each).
 #if defined(__AVX512F__)
@@ -339,8 +333,6 @@ struct CodeLayout {
   int64_t key_record, value_record, groups_per_block;    // bytes per record; records per block
 };
 
-typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
-
 inline float half_to_float(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, sizeof(h));
@@ -373,6 +365,16 @@ struct CodeReader {
   int64_t channel_groups;
   int64_t channel_group_of[V];  // the value channel group of each vector of channels
 
+  const uint8_t* key_record(const Unit& unit, int64_t j) const {
+    const int64_t at = unit.sequence * width + j;
+    return keys + unit.head * key_head + blocks[at] * block_bytes + records[at] * layout.key_record;
+  }
+
+  const uint8_t* value_record(const Unit& unit, int64_t j) const {
+    const int64_t at = unit.sequence * width + j;
+    return values + unit.head * value_head + blocks[at] * block_bytes + records[at] * layout.value_record;
+  }
+
   // The codes of tokens first ... first + kLanes - 1 of a group as floats, unscaled: [kLanes][V] vectors. A byte row holds
   // tokens r, r + rows, ... (planar): the row and the field advance together.
   void code_block(const uint8_t* codes, int64_t first, vfloat (*out)[V]) const {
@@ -383,11 +385,7 @@ struct CodeReader {
       const uint8_t* bytes_of_row = codes + row * kDim;
       const int shift = static_cast<int>(field * layout.bits);
       for (int i = 0; i < V; ++i) {
-        vbyte bytes;
-        std::memcpy(&bytes, bytes_of_row + i * kLanes, sizeof(bytes));
-        // widened in two steps: GCC turns a 4x widening into scalar code, two 2x widenings into vpmovzx
-        const vint code = (__builtin_convertvector(__builtin_convertvector(bytes, vhalf), vint) >> shift) & mask;
-        out[j][i] = __builtin_convertvector(code, vfloat);
+        out[j][i] = __builtin_convertvector((widen_bytes(bytes_of_row + i * kLanes) >> shift) & mask, vfloat);
       }
       if (++row == rows) row = 0, ++field;
     }
@@ -404,10 +402,12 @@ struct CodeReader {
     alignas(64) vfloat block[kLanes][V];
     alignas(64) float scores[kMaxGroup][kLanes];
     for (int64_t j = unit.begin; j < unit.end; ++j) {
-      const int64_t place = blocks[unit.sequence * width + j] * block_bytes;
-      const int64_t record = records[unit.sequence * width + j];
-      const uint8_t* key = keys + unit.head * key_head + place + record * layout.key_record;
-      const uint8_t* value = values + unit.head * value_head + place + record * layout.value_record;
+      const uint8_t* key = key_record(unit, j);
+      const uint8_t* value = value_record(unit, j);
+      if (j + 1 < width) {  // the next group's records (past the unit's end too: the next unit reads them)
+        prefetch_bytes(key_record(unit, j + 1), layout.key_record);
+        prefetch_bytes(value_record(unit, j + 1), layout.value_record);
+      }
       halves_to_floats(key + layout.key_scale, key_scale, kDim);
       halves_to_floats(key + layout.key_zero, key_zero, kDim);
       halves_to_floats(value + layout.value_scale, value_scale.data(), layout.tokens * channel_groups);
