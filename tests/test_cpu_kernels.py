@@ -78,6 +78,22 @@ def test_kernel_equals_softmax_attention_over_scattered_runs(kernel, dtype, head
     torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=1e-6)
 
 
+def test_the_registered_ops_are_the_bound_functions(kernel):
+    """The engine calls the extension module's functions (no dispatcher per call); the same kernels stay registered as
+    ``torch.ops.kvopt_cpu`` ops (for what traces or compiles), with the same results."""
+    keys, values = torch.randn(3, 64, 64), torch.randn(3, 64, 64)
+    query, runs, offsets = torch.randn(2, 9, 64), torch.tensor([[0, 40], [40, 64]]), torch.tensor([0, 1, 2])
+    folded = query.view(2, 3, 3, 64)
+    bound = kernel(folded, keys, values, runs, offsets, 0.125)
+    registered = torch.ops.kvopt_cpu.decode_attention(folded, keys, values, runs, offsets, 0.125)
+    assert kernel is not torch.ops.kvopt_cpu.decode_attention
+    for got, expected in zip(bound, registered):
+        assert torch.equal(got, expected)
+    rows, weight = torch.randn(2, 96), torch.randn(40, 96)
+    assert torch.equal(cpu.linear_rows()(rows, weight), torch.ops.kvopt_cpu.linear_rows(rows, weight))
+    assert torch.equal(cpu.layer_glue().silu_mul(rows), torch.ops.kvopt_cpu.silu_mul(rows))
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_coded_kernel_equals_attention_over_the_dequantized_groups(kernel, bits, dtype):

@@ -14,9 +14,10 @@ fp32 tensors, ran the flash kernel over them and merged the parts with a dozen m
 It is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` (g++ or clang, and ninja: the ``ninja``
 wheel kvopt depends on, or one on ``PATH``) into ``$KVOPT_CACHE/kernels/<key>``, the key digesting the source,
 torch's version and the CPU's flags, so a cache folder shared by different machines holds one build per kind of
-CPU. A first build takes ~7 s; later processes load it in milliseconds. Where no compiler is present or the build
-fails, kvopt warns once and attention takes the flash kernel (the same results within fp32 rounding);
-``KVOPT_CPU_KERNELS=0`` (or ``false``, ``no``, ``off``) skips the build altogether.
+CPU. A first build takes ~25 s on two cores (four files; the Python bindings ~10 s of it); later processes load it in
+milliseconds. Where no compiler is present or the build fails, kvopt warns once and attention takes the flash kernel
+(the same results within fp32 rounding); ``KVOPT_CPU_KERNELS=0`` (or ``false``, ``no``, ``off``) skips the build
+altogether.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from kvopt.paths import cache_root
 
 ENV_SWITCH = "KVOPT_CPU_KERNELS"
 _OFF = ("0", "false", "no", "off")
-#: The extension's sources: decode attention, linear layers over a few rows (weight-only int8 among them), and a
-#: decoder layer's small steps between its matmuls.
+#: The extension's sources: decode attention, linear layers over a few rows (weight-only int8 among them), a
+#: decoder layer's small steps between its matmuls, and their Python bindings.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.cpp", "weight_rows.cpp", "layer_glue.cpp"))  # fmt: skip
+                for name in ("decode_attention.cpp", "weight_rows.cpp", "layer_glue.cpp", "bindings.cpp"))  # fmt: skip
 #: What they include (a change rebuilds them too).
-HEADERS = (Path(__file__).with_name("csrc") / "vectors.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vectors.h", "kernels.h"))
 #: Head dims the kernel is compiled for (its vectors hold 16 floats).
 HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
 #: Query heads per KV head it holds (a GQA group).
@@ -72,7 +73,7 @@ def decode_attention() -> DecodeAttention | None:
     block ``blocks[s, j]`` in the byte pools ``[kv_heads, blocks, block bytes]``, laid out as ``layout`` says
     (:attr:`kvopt.engine.kv.compressed.CodeFormat.kernel_layout`); every part merged by its log-sum-exp.
     """
-    return torch.ops.kvopt_cpu.decode_attention if _library() else None
+    return _extension().decode_attention if _library() else None
 
 
 def linear_rows() -> LinearRows | None:
@@ -84,16 +85,26 @@ def linear_rows() -> LinearRows | None:
     weights, and it streams them at the memory's pace; at more rows a BLAS's tiling wins (see
     :class:`kvopt.models.int8_linear.Int8Linear`).
     """
-    return torch.ops.kvopt_cpu.linear_rows if _library() else None
+    return _extension().linear_rows if _library() else None
 
 
 def layer_glue():
-    """The namespace of a decoder layer's small steps (``torch.ops.kvopt_cpu``), or None where the kernels cannot be
+    """The namespace of a decoder layer's small steps (the extension's module), or None where the kernels cannot be
     built here (warned once) or are switched off: ``rms_norm(x, weight, eps, plus_one)``, ``add_rms_norm(x, addend,
     weight, eps, plus_one) -> (x + addend, its norm)``, ``rotary(qkv, cos, sin, heads, dim)`` (the first ``heads``
     heads of each row rotated, ``sin``'s first half negated) and ``silu_mul(gate_up)``, over contiguous fp32 or bf16
     rows ``[tokens, width]``, rounding where Hugging Face's modules round (:mod:`kvopt.models.lean_forward`)."""
-    return torch.ops.kvopt_cpu if _library() else None
+    return _extension() if _library() else None
+
+
+#: The loaded extension (set by :func:`_library`).
+_loaded: list = []
+
+
+def _extension():
+    """The extension's Python module: its functions, the same kernels as the ``torch.ops.kvopt_cpu`` ops it
+    registers, called without the dispatcher's per-call boxing (``csrc/bindings.cpp``)."""
+    return _loaded[-1]
 
 
 @functools.cache
@@ -102,7 +113,7 @@ def _library() -> bool:
     if switched_off():
         return False
     try:
-        _build()
+        _loaded.append(_build())
     except Exception as error:  # no compiler, no ninja, a build error: PyTorch's kernels serve instead
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         warnings.warn(
@@ -115,8 +126,8 @@ def _library() -> bool:
     return True
 
 
-def _build() -> None:
-    """Compile (or find already compiled) and load the extension into ``torch.ops.kvopt_cpu``."""
+def _build():
+    """Compile (or find already compiled) and load the extension: its module, and its ops in ``torch.ops.kvopt_cpu``."""
     from torch.utils import cpp_extension
 
     key = _build_key(b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
@@ -124,9 +135,9 @@ def _build() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-fopenmp", *_native_flags()]
     with _ninja_on_path():
-        cpp_extension.load(
+        return cpp_extension.load(
             name=f"kvopt_cpu_{key}", sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-            build_directory=str(folder), is_python_module=False, verbose=False,
+            build_directory=str(folder), is_python_module=True, verbose=False,
         )  # fmt: skip
 
 

@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vectors.h"
 
 #if defined(__F16C__)
@@ -487,6 +488,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     default: TORCH_CHECK(false, "head_dim ", dim, " is not one of 32, 64, 80, 96, 128, 256");    \
   }
 
+}  // namespace
+
 // query [S, kv_heads, group, D] fp32 or bf16 (any strides but the last); keys/values [kv_heads, slots, D] (fp32 or
 // bf16, rows contiguous); given new_keys/new_values [T, kv_heads, D] (the pool's dtype, any strides but the last)
 // and slots [T] int64, those rows are written to their slots first (a decode step's own keys and values);
@@ -497,7 +500,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 // per group, value channels per group, the byte offsets of the key scale, key zero, value scale and value zero in a
 // record, key and value record bytes, records per block. Returns (out [S, kv_heads, group, D] fp32,
 // lse [S, kv_heads, group] fp32), every part merged.
-std::tuple<at::Tensor, at::Tensor> decode_attention(
+std::tuple<at::Tensor, at::Tensor> kvopt_cpu::decode_attention(
     const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& runs,
     const at::Tensor& offsets, double scale, const std::optional<at::Tensor>& key_records,
     const std::optional<at::Tensor>& value_records, const std::optional<at::Tensor>& blocks,
@@ -566,8 +569,6 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   return {out, lse};
 }
 
-}  // namespace
-
 TORCH_LIBRARY(kvopt_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor(a!) keys, Tensor(b!) values, Tensor runs, Tensor offsets, float scale, "
         "Tensor? key_records=None, Tensor? value_records=None, Tensor? blocks=None, Tensor? records=None, "
@@ -575,4 +576,5 @@ TORCH_LIBRARY(kvopt_cpu, m) {
         "Tensor? slots=None) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("decode_attention", &kvopt_cpu::decode_attention); }
+

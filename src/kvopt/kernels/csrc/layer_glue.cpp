@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -72,31 +74,6 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": rows must be fp32 or bf16");
 }
 
-// RMSNorm of each row of x [tokens, width] by weight [width] (x's dtype).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
-  check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be [width] in the rows' dtype");
-  at::Tensor out = at::empty_like(x), unused;
-  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, nullptr, weight, eps, plus_one, unused, out);
-  else norm_rows<c10::BFloat16>(x, nullptr, weight, eps, plus_one, unused, out);
-  return out;
-}
-
-// (x + addend, RMSNorm(x + addend)): a residual add and the norm after it in one pass.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& addend, const at::Tensor& weight,
-                                                double eps, bool plus_one) {
-  check_rows(x, "add_rms_norm");
-  TORCH_CHECK(addend.sizes() == x.sizes() && addend.is_contiguous() && addend.scalar_type() == x.scalar_type(),
-              "add_rms_norm: the addend must be shaped and typed as the rows");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be [width] in the rows' dtype");
-  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, &addend, weight, eps, plus_one, sum, out);
-  else norm_rows<c10::BFloat16>(x, &addend, weight, eps, plus_one, sum, out);
-  return {sum, out};
-}
-
 // Rotate-half RoPE of the query and key heads at the front of each row of the fused q/k/v projection:
 // x * cos + roll(x, D / 2) * sin per head, sin's first half already negated (HF's rotate_half, element for element).
 template <typename T>
@@ -121,9 +98,52 @@ void rotate_rows(const T* qkv, int64_t rows, int64_t stride, int64_t heads, int6
   });
 }
 
+// SiLU(gate) * up of the fused gate/up projection's rows [tokens, 2 * width]: [tokens, width].
+template <typename T>
+void gate_rows(const T* gate_up, int64_t rows, int64_t width, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = gate_up + r * 2 * width;
+      const T* up = gate + width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float activated = held(g / (1.0f + std::exp(-g)), T{});
+        store(out + r * width + i, activated * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [tokens, width] by weight [width] (x's dtype).
+at::Tensor kvopt_cpu::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [width] in the rows' dtype");
+  at::Tensor out = at::empty_like(x), unused;
+  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, nullptr, weight, eps, plus_one, unused, out);
+  else norm_rows<c10::BFloat16>(x, nullptr, weight, eps, plus_one, unused, out);
+  return out;
+}
+
+// (x + addend, RMSNorm(x + addend)): a residual add and the norm after it in one pass.
+std::tuple<at::Tensor, at::Tensor> kvopt_cpu::add_rms_norm(const at::Tensor& x, const at::Tensor& addend,
+                                                           const at::Tensor& weight, double eps, bool plus_one) {
+  check_rows(x, "add_rms_norm");
+  TORCH_CHECK(addend.sizes() == x.sizes() && addend.is_contiguous() && addend.scalar_type() == x.scalar_type(),
+              "add_rms_norm: the addend must be shaped and typed as the rows");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [width] in the rows' dtype");
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, &addend, weight, eps, plus_one, sum, out);
+  else norm_rows<c10::BFloat16>(x, &addend, weight, eps, plus_one, sum, out);
+  return {sum, out};
+}
+
 // qkv [tokens, (heads + 2 kv_heads) * D], cos and sin [tokens, D] (sin's first half negated) -> the rotated queries
 // and keys [tokens, heads + kv_heads, D].
-at::Tensor rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim) {
+at::Tensor kvopt_cpu::rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim) {
   check_rows(qkv, "rotary");
   TORCH_CHECK(dim % 2 == 0 && heads * dim <= qkv.size(1), "rotary: heads * dim must fit in a row, dim even");
   for (const at::Tensor* table : {&cos, &sin}) {
@@ -141,23 +161,7 @@ at::Tensor rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   return out;
 }
 
-// SiLU(gate) * up of the fused gate/up projection's rows [tokens, 2 * width]: [tokens, width].
-template <typename T>
-void gate_rows(const T* gate_up, int64_t rows, int64_t width, T* out) {
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* gate = gate_up + r * 2 * width;
-      const T* up = gate + width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float activated = held(g / (1.0f + std::exp(-g)), T{});
-        store(out + r * width + i, activated * static_cast<float>(up[i]));
-      }
-    }
-  });
-}
-
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+at::Tensor kvopt_cpu::silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: rows must hold the gate and the up halves");
   const int64_t width = gate_up.size(1) / 2;
@@ -170,8 +174,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(kvopt_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool plus_one) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor addend, Tensor weight, float eps, bool plus_one) -> (Tensor, Tensor)");
@@ -180,8 +182,9 @@ TORCH_LIBRARY_FRAGMENT(kvopt_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &kvopt_cpu::rms_norm);
+  m.impl("add_rms_norm", &kvopt_cpu::add_rms_norm);
+  m.impl("rotary", &kvopt_cpu::rotary);
+  m.impl("silu_mul", &kvopt_cpu::silu_mul);
 }
+

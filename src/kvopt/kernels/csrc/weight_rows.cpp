@@ -18,6 +18,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vectors.h"
 
 #include <algorithm>
@@ -34,6 +35,10 @@ typedef int8_t vbyte __attribute__((vector_size(kLanes)));
 typedef int16_t vshort __attribute__((vector_size(kLanes * sizeof(int16_t))));
 //: Input rows dotted with one weight row per pass (their accumulators stay in registers).
 constexpr int kRowsPerPass = 4;
+//: How far ahead the weight rows of bf16 or int8 are asked for (prefetch): their widening loads take half or a quarter
+//: of the bytes per instruction that fp32's do, and the hardware prefetcher alone left one core's stream at ~22 GB/s,
+//: 8 KB ahead at ~25 (the default model's linears at one row, alternated in one process; fp32 gained nothing).
+constexpr int64_t kPrefetchBytes = 8192;
 //: Weight rows per unit of parallel work.
 constexpr int64_t kGrain = 64;
 
@@ -88,8 +93,10 @@ void linear(const W* weight, const float* x, int64_t M, int64_t K, int64_t N, co
             Out* y) {
   at::parallel_for(0, N, kGrain, [&](int64_t first, int64_t last) {
     float dots[kRowsPerPass];
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (K * static_cast<int64_t>(sizeof(W))));
     for (int64_t n = first; n < last; ++n) {
       const W* row = weight + n * K;
+      if (sizeof(W) < sizeof(float) && n + ahead < last) prefetch_bytes(row + ahead * K, K * sizeof(W));
       const float s = scale ? scale[n] : 1.0f, b = bias ? bias[n] : 0.0f;
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
         const float* xs = x + m * K;
@@ -127,8 +134,10 @@ void dispatch_output(const at::Tensor& weight, const float* x, int64_t M, int64_
   }
 }
 
-at::Tensor linear_rows(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                       const std::optional<at::Tensor>& bias) {
+}  // namespace
+
+at::Tensor kvopt_cpu::linear_rows(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1),
               "linear_rows: input [M, K] and weight [N, K] must share K");
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
@@ -163,10 +172,8 @@ at::Tensor linear_rows(const at::Tensor& input, const at::Tensor& weight, const 
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(kvopt_cpu, m) {
   m.def("linear_rows(Tensor input, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("linear_rows", &linear_rows); }
+TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) { m.impl("linear_rows", &kvopt_cpu::linear_rows); }
