@@ -85,36 +85,13 @@ inline vfloat transposed_sums(vfloat* x) {
 }
 #endif
 
-// exp(x) for x <= 0 (scores minus their running maximum), Cephes' expf: 2^n * exp(r), |r| <= ln2 / 2, a degree-6
-// polynomial; relative error ~1e-7, the float's own precision. Below -87 it returns 0.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vint tiny = x < -87.0f;
-  x = tiny ? splat(-87.0f) : x;
-  // n = the nearest integer to x / ln2 (x <= 0: truncating x / ln2 - 0.5 toward zero rounds it)
-  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
-  const vfloat nf = __builtin_convertvector(n, vfloat);
-  vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  vint bits = (n + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  vfloat out = p * scale;
-  return tiny ? splat(0.0f) : out;
-}
-
 // One block of kLanes scores (lanes without a key at -inf, at least one with) into a running softmax: the running
 // maximum ``m`` and sum ``l`` updated, the block's weights returned, and the factor the earlier sum and outputs are
 // scaled by in ``correction``.
 inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction) {
   const float new_max = std::max(m, max_lanes(scores));
   correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - new_max);
-  const vfloat weights = exp_nonpositive(scores - new_max);
+  const vfloat weights = exp_lanes(scores - new_max);
   l = l * correction + sum_lanes(weights);
   m = new_max;
   return weights;

@@ -14,12 +14,15 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "vectors.h"
 
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 
 namespace {
+
+using namespace kvopt_vectors;
 
 // A value as the model's dtype holds it (a bf16 model rounds each op's result to bf16).
 inline float held(float x, float) { return x; }
@@ -29,6 +32,14 @@ template <typename T>
 inline void store(T* out, float x) {
   *out = static_cast<T>(x);
 }
+
+// The same a vector at a time (kLanes values).
+inline vfloat held(vfloat x, float) { return x; }
+inline vfloat held(vfloat x, c10::BFloat16) { return round_bf16(x); }
+inline vfloat load_lanes(const float* p) { return load_floats(p); }
+inline vfloat load_lanes(const c10::BFloat16* p) { return widen_bf16(p); }
+inline void store_lanes(vfloat x, float* out) { std::memcpy(out, &x, sizeof(x)); }
+inline void store_lanes(vfloat x, c10::BFloat16* out) { store_bf16(x, out); }
 
 // One row of RMSNorm: llama's rounds the normalised row to the model's dtype, then multiplies by the weight (in that
 // dtype); Gemma's scales by 1 + weight in fp32 and rounds once.
@@ -105,10 +116,15 @@ void gate_rows(const T* gate_up, int64_t rows, int64_t width, T* out) {
     for (int64_t r = first; r < last; ++r) {
       const T* gate = gate_up + r * 2 * width;
       const T* up = gate + width;
-      for (int64_t i = 0; i < width; ++i) {
+      T* o = out + r * width;
+      int64_t i = 0;
+      for (; i + kLanes <= width; i += kLanes) {
+        const vfloat g = load_lanes(gate + i);
+        store_lanes(held(g / (1.0f + exp_lanes(-g)), T{}) * load_lanes(up + i), o + i);
+      }
+      for (; i < width; ++i) {  // a row not a multiple of the vector: the rest one by one
         const float g = static_cast<float>(gate[i]);
-        const float activated = held(g / (1.0f + std::exp(-g)), T{});
-        store(out + r * width + i, activated * static_cast<float>(up[i]));
+        store(o + i, held(g / (1.0f + std::exp(-g)), T{}) * static_cast<float>(up[i]));
       }
     }
   });

@@ -79,6 +79,50 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
 }
 
+// exp(x) lane by lane, Cephes' expf: 2^n * exp(r), n the integer nearest x / ln2, |r| <= ln2 / 2, a degree-6
+// polynomial; relative error ~1e-7, the float's own precision. Lanes below -87 give 0, above 88 exp(88).
+inline vfloat exp_lanes(vfloat x) {
+  const vint tiny = x < -87.0f;
+  x = x > 88.0f ? vfloat{} + 88.0f : x;
+  x = tiny ? vfloat{} - 87.0f : x;
+  const vfloat nf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23: rounds to an integer
+  const vint n = __builtin_convertvector(nf, vint);
+  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (n + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? vfloat{} : p * scale;
+}
+
+// kLanes floats rounded to bf16 (to nearest, ties to even, as c10::BFloat16 rounds; NaN aside), as 32-bit lanes whose
+// upper halves are the bf16 values.
+inline vuint bf16_bits(vfloat x) {
+  vuint bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+// A value as a bf16 tensor holds it (rounded, then widened back).
+inline vfloat round_bf16(vfloat x) {
+  const vuint bits = bf16_bits(x);
+  vfloat out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// kLanes floats stored as bf16.
+inline void store_bf16(vfloat x, c10::BFloat16* out) {
+  const vhalf halves = __builtin_convertvector(bf16_bits(x) >> 16, vhalf);
+  std::memcpy(out, &halves, sizeof(halves));
+}
+
 // The largest of a vector's lanes.
 inline float max_lanes(vfloat v) {
 #if defined(__AVX512F__)
