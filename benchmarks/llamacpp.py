@@ -23,6 +23,11 @@ with the ``gguf`` package, next to kvopt's converted models). KV cache: f16 and 
   ``--kvopt-method DTYPE=SPEC`` once more with that compressed ``kv_method`` (e.g. ``auto=kvzip:ratio=0.75+kivi:bits=4``
   at 4k-token prompts, where a compressed sequence's smaller KV lets more of them run at once). ``--hf fp32,auto``
   adds plain transformers in those dtypes: static batches of 8, and ``--hf-sequential`` requests one at a time.
+- ``perplexity``: each weight format's perplexity on the same ``--ppl-texts`` windows of ``--ppl-tokens`` tokens of
+  local real text (every token after a window's first predicted from all before it, in one forward): kvopt's
+  ``--kvopt`` settings (the model ``kvopt.load_model`` loads in each, through Hugging Face's forward) and llama.cpp's
+  ``--weights`` GGUFs, so int8 weights stand beside Q8_0 and bf16 beside F16, each against its own system's
+  full-precision run.
 
 Rows: ``benchmarks/results/llamacpp/rows.jsonl`` (``--results``); a run's rows replace those of the same setting.
 """
@@ -45,7 +50,9 @@ from sections import conditions_line, opening, row_dates
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "benchmarks" / "results" / "llamacpp" / "rows.jsonl"
-STEPS = ("single", "batched")
+STEPS = ("single", "batched", "perplexity")
+#: The perplexity step's text windows (local real text, as serving.py draws them).
+PERPLEXITY_SEED = 7
 #: The batched workload's prompts: benchmarks/serving.py's throughput step.
 SERVING_SEED, SERVING_LOW, SERVING_HIGH = 0, 100, 1000
 #: ggml's error level: llama.cpp's info and warnings (one line per tensor at load) are dropped.
@@ -176,10 +183,13 @@ class Context:
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code} for a batch of {count} tokens (1: no KV cell left)")
 
+    def logits(self, index: int) -> np.ndarray:
+        """The logits at batch entry ``index`` (which asked for them): a view of llama.cpp's buffer."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+
     def argmax(self, index: int) -> int:
         """The greedy choice at batch entry ``index`` (which asked for logits)."""
-        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
-        return int(logits.argmax())
+        return int(self.logits(index).argmax())
 
     def forget(self, seq: int) -> None:
         """Drop every KV cell of ``seq`` (a slot handed to the next request)."""
@@ -506,6 +516,71 @@ def hf_runs(prompts: list[list[int]], new_tokens: int, dtype: str, args):
         yield row, tokens
 
 
+# -- perplexity ---------------------------------------------------------------------------------
+def perplexity(args, lib, tokenizer) -> list[dict]:
+    """Every ``--kvopt`` setting's and every llama.cpp GGUF's perplexity on the same windows of text."""
+    texts = serving.real_prompts(tokenizer, args.ppl_texts, args.ppl_tokens, args.ppl_tokens, seed=PERPLEXITY_SEED)
+    predicted = sum(len(ids) - 1 for ids in texts)
+    rows = []
+    for entry in filter(None, args.kvopt.split(",")):
+        dtype, weights = kvopt_setting(entry)
+        nll, computes = kvopt_nll(texts, dtype, weights)
+        rows.append(_perplexity_row(args, f"kvopt {entry}", weights or computes, computes, nll, predicted))
+        print(json.dumps(rows[-1]))
+    for name, path in weight_files(args.weights).items():
+        model = load_weights(lib, path)
+        try:
+            nll = llamacpp_nll(lib, model, texts, args.options)
+        finally:
+            lib.llama_model_free(model)
+        rows.append(_perplexity_row(args, "llama.cpp", name, "its own kernels", nll, predicted))
+        print(json.dumps(rows[-1]))
+    return rows
+
+
+def kvopt_nll(texts: list[list[int]], dtype: str, weights: str | None) -> tuple[float, str]:
+    """The summed negative log-likelihood of each window's tokens after its first under ``kvopt.load_model(dtype=...,
+    weights=...)`` (Hugging Face's forward, the whole window at once), and the dtype it computed in."""
+    import torch.nn.functional as F
+
+    from kvopt.models import load_model
+
+    model, _ = load_model(dtype=dtype, weights=weights)
+    total = 0.0
+    with torch.inference_mode():
+        for ids in texts:
+            tokens = torch.tensor([ids])
+            logits = model(tokens).logits[0, :-1].float()
+            total += F.cross_entropy(logits, tokens[0, 1:], reduction="sum").item()
+    return total, str(model.dtype).removeprefix("torch.")
+
+
+def llamacpp_nll(lib, model, texts: list[list[int]], options: Options) -> float:
+    """The same through llama.cpp: each window decoded with logits at every position, in float64 from there."""
+    context = Context(lib, model, max(len(ids) for ids in texts), 1, "f16", options)
+    total = 0.0
+    try:
+        for ids in texts:
+            context.forget(0)
+            for start in range(0, len(ids), context.n_batch):
+                chunk = ids[start : start + context.n_batch]
+                context.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk), [True] * len(chunk))
+                for index in range(min(len(chunk), len(ids) - 1 - start)):
+                    logits = context.logits(index).astype(np.float64)
+                    top = logits.max()
+                    total += top + np.log(np.exp(logits - top).sum()) - logits[ids[start + index + 1]]
+    finally:
+        context.close()
+    return float(total)
+
+
+def _perplexity_row(args, system: str, weights: str, computes: str, nll: float, predicted: int) -> dict:
+    return {"step": "perplexity", "system": system, "weights": weights, "kv": "-", "computes": computes,
+            "length": args.ppl_tokens, "texts": args.ppl_texts, "predicted": predicted,
+            "perplexity": round(float(np.exp(nll / predicted)), 4), "threads": torch.get_num_threads(),
+            "conditions": args.conditions}  # fmt: skip
+
+
 def _row(args, step: str, weights: str, kv: str) -> dict:
     import llama_cpp
 
@@ -547,6 +622,8 @@ def main() -> None:
     parser.add_argument("--hf", default="", help="also plain transformers in these dtypes (single: generate on one request; "
                         "batched: static batches of 8, then --hf-sequential requests one at a time), e.g. fp32,auto")
     parser.add_argument("--hf-sequential", type=int, default=8, help="batched: requests HF runs one at a time")
+    parser.add_argument("--ppl-texts", type=int, default=8, help="perplexity: windows of local text")
+    parser.add_argument("--ppl-tokens", type=int, default=1024, help="perplexity: tokens a window")
     parser.add_argument("--kv-memory", default="2GB", help="kvopt.LLM's pool (as serving.py)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="kvopt.LLM's sequences at once (as serving.py)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (and torch's for kvopt)")
@@ -569,7 +646,7 @@ def main() -> None:
     tokenizer = load_tokenizer()
     new_tokens = args.new_tokens
     for step in steps:
-        args.new_tokens = new_tokens or {"single": 64, "batched": 128}[step]
+        args.new_tokens = new_tokens or {"single": 64, "batched": 128}.get(step)
         rows = globals()[step](args, lib, tokenizer)
         save(args.results / ROWS.name, [row | {"round": args.round} for row in rows] if args.round else rows)
 
@@ -608,12 +685,34 @@ def render(rows: list[dict]) -> str:
                          f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f}{f' ({marks})' if marks else ''} | "
                          f"{ratios} |")  # fmt: skip
         lines += [*conditions_line(singles), ""]
+    lines += _perplexity_table([row for row in rows if row["step"] == "perplexity"])
     many = [row for row in rows if row["step"] == "batched" and not row.get("round")]
     repeats = [row for row in rows if row["step"] == "batched" and row.get("round")]
     for workload in dict.fromkeys(_workload(row) for row in many):
         lines += _batched_table([row for row in many if _workload(row) == workload])
         lines += _repeats_line([row for row in repeats if _workload(row) == workload])
     return "\n".join(lines)
+
+
+def _perplexity_table(rows: list[dict]) -> list[str]:
+    """Each weight format's perplexity, against its own system's full-precision run (kvopt's fp32, llama.cpp's F16):
+    the two systems' kernels differ, so each format is read against its own baseline."""
+    if not rows:
+        return []
+    first = rows[0]
+    baseline = {system: next((r["perplexity"] for r in rows if (r["system"], r["weights"]) == key), None)
+                for system, key in (("kvopt", ("kvopt fp32", "float32")), ("llama.cpp", ("llama.cpp", "F16")))}  # fmt: skip
+    lines = [f"### Perplexity of the weight formats ({first['texts']} windows of {first['length']:,} tokens)", "",
+             "The same windows of local real text, every token after a window's first predicted from all before it "
+             "in one forward: kvopt's settings as `kvopt.load_model(dtype=..., weights=...)` loads them (Hugging Face's "
+             "forward), llama.cpp's GGUFs through its own kernels. Each format against its own system's "
+             "full-precision run.", "",
+             "| system | weights | computes in | perplexity | vs kvopt fp32 / llama.cpp F16 |", "|---|---|---|---:|---:|"]  # fmt: skip
+    for r in rows:
+        base = baseline["llama.cpp" if r["system"] == "llama.cpp" else "kvopt"]
+        delta = f"{(r['perplexity'] / base - 1) * 100:+.2f}%" if base else "–"
+        lines.append(f"| {r['system']} | {r['weights']} | {r['computes']} | {r['perplexity']:.3f} | {delta} |")
+    return lines + ["", *conditions_line(rows), ""]
 
 
 def _workload(row: dict) -> tuple:

@@ -179,6 +179,12 @@ class PagedBatch:
     #: Sequences that store and attend themselves: ``attend(layer, module, query, key, value, scaling,
     #: sliding_window, softcap)`` over their rows ``first:end`` (head blocks, their own caches).
     own: list = field(default_factory=list)
+    #: Whether every layer's attention is one CPU-kernel call that also stores the step's keys and values: every row
+    #: is one pool-attending sequence's next token, in order, and the kernel reads their runs (decided once a step).
+    kernel_writes: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kernel_writes = self.only_decodes and self.decodes.runs is not None
 
     @property
     def only_decodes(self) -> bool:
@@ -318,11 +324,9 @@ class PagedLayer(SeamLayer):
         pool = self.cache.pool
         keys, values = pool.keys[self.index], pool.values[self.index]
         plain = softcap is None and sliding_window is None  # the batched decode path's assumptions
+        if batch.kernel_writes and plain:  # the kernel stores the step's tokens and attends in one call
+            return _attend_decodes(query, keys, values, batch, scaling, self.index, (key, value, batch.slot_mapping))[None]
         batched = batch.decodes is not None and plain and attention_math.cpu_flash_available(query)
-        if batched and batch.only_decodes and batch.stored_rows is None and batch.decodes.runs is not None:
-            # every row is one sequence's next token, in order: the kernel stores them and attends in one call
-            written = (key, value, batch.slot_mapping)
-            return _attend_decodes(query, keys, values, batch, scaling, self.index, written)[None]
         stored_keys, stored_values = key, value
         if batch.stored_rows is not None:
             stored_keys, stored_values = key.index_select(0, batch.stored_rows), value.index_select(0, batch.stored_rows)

@@ -42,16 +42,23 @@ inline void store_lanes(vfloat x, float* out) { std::memcpy(out, &x, sizeof(x));
 inline void store_lanes(vfloat x, c10::BFloat16* out) { store_bf16(x, out); }
 
 // One row of RMSNorm: llama's rounds the normalised row to the model's dtype, then multiplies by the weight (in that
-// dtype); Gemma's scales by 1 + weight in fp32 and rounds once.
+// dtype); Gemma's scales by 1 + weight in fp32 and rounds once. A vector at a time, the rest of a row one by one.
 template <typename T>
 void norm_row(const T* x, const T* weight, int64_t width, double eps, bool plus_one, T* out) {
-  float squares = 0.0f;
-  for (int64_t i = 0; i < width; ++i) {
-    const float v = static_cast<float>(x[i]);
-    squares += v * v;
+  vfloat lanes = vfloat{};
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    const vfloat v = load_lanes(x + i);
+    lanes += v * v;
   }
+  float squares = sum_lanes(lanes);
+  for (; i < width; ++i) squares += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-  for (int64_t i = 0; i < width; ++i) {
+  for (i = 0; i + kLanes <= width; i += kLanes) {
+    const vfloat normed = load_lanes(x + i) * inverse, w = load_lanes(weight + i);
+    store_lanes(plus_one ? normed * (1.0f + w) : held(normed, T{}) * w, out + i);
+  }
+  for (; i < width; ++i) {
     const float normed = static_cast<float>(x[i]) * inverse;
     const float w = static_cast<float>(weight[i]);
     out[i] = static_cast<T>(plus_one ? normed * (1.0f + w) : held(normed, T{}) * w);
@@ -72,7 +79,10 @@ void norm_rows(const at::Tensor& x, const at::Tensor* addend, const at::Tensor& 
       const T* row = in + r * width;
       if (add) {  // the residual add, rounded as the model's dtype rounds it, is the row normalised
         T* s = summed + r * width;
-        for (int64_t i = 0; i < width; ++i) store(s + i, static_cast<float>(row[i]) + static_cast<float>(add[r * width + i]));
+        const T* addend_row = add + r * width;
+        int64_t i = 0;
+        for (; i + kLanes <= width; i += kLanes) store_lanes(load_lanes(row + i) + load_lanes(addend_row + i), s + i);
+        for (; i < width; ++i) store(s + i, static_cast<float>(row[i]) + static_cast<float>(addend_row[i]));
         row = s;
       }
       norm_row(row, w, width, eps, plus_one, o + r * width);
@@ -98,6 +108,13 @@ void rotate_rows(const T* qkv, int64_t rows, int64_t stride, int64_t heads, int6
       for (int64_t h = 0; h < heads; ++h) {
         const T* x = qkv + r * stride + h * dim;
         T* o = out + (r * heads + h) * dim;
+        if (half % kLanes == 0) {  // each half a whole number of vectors: the rolled row is read a vector at a time
+          for (int64_t i = 0; i < dim; i += kLanes) {
+            const vfloat rolled = load_lanes(x + (i < half ? i + half : i - half));
+            store_lanes(held(load_lanes(x + i) * load_lanes(c + i), T{}) + held(rolled * load_lanes(s + i), T{}), o + i);
+          }
+          continue;
+        }
         for (int64_t i = 0; i < dim; ++i) {
           const float rolled = static_cast<float>(x[i < half ? i + half : i - half]);
           const float a = held(static_cast<float>(x[i]) * static_cast<float>(c[i]), T{});
