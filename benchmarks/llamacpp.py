@@ -543,7 +543,7 @@ def kvopt_nll(texts: list[list[int]], dtype: str, weights: str | None) -> tuple[
     weights=...)`` (Hugging Face's forward, the whole window at once), and the dtype it computed in."""
     import torch.nn.functional as F
 
-    from kvopt.models import load_model
+    from kvopt import load_model
 
     model, _ = load_model(dtype=dtype, weights=weights)
     total = 0.0
@@ -712,7 +712,7 @@ def _perplexity_table(rows: list[dict]) -> list[str]:
         base = baseline["llama.cpp" if r["system"] == "llama.cpp" else "kvopt"]
         delta = f"{(r['perplexity'] / base - 1) * 100:+.2f}%" if base else "–"
         lines.append(f"| {r['system']} | {r['weights']} | {r['computes']} | {r['perplexity']:.3f} | {delta} |")
-    return lines + ["", *conditions_line(rows), ""]
+    return lines + [*conditions_line(rows), ""]
 
 
 def _workload(row: dict) -> tuple:

@@ -107,3 +107,19 @@ def test_repeats_are_listed_round_by_round_under_their_workload_and_stay_out_of_
     assert text.count("| kvopt.LLM auto |") == 1 and "| 130.0 |" not in text
     assert ("Repeated in 2 more runs, the systems alternating (output tok/s by round): kvopt.LLM auto 130.0 / 110.0; "
             "llama.cpp F16 (f16 KV) 100.0 / 100.0. kvopt against llama.cpp by round: 1.30x / 1.10x (median 1.20x).") in text
+
+
+def test_perplexity_rows_are_read_against_their_own_systems_full_precision_run():
+    """kvopt's formats against kvopt's fp32 run, llama.cpp's against its F16 GGUF (their kernels differ)."""
+    def ppl(system, weights, computes, value):
+        return {"step": "perplexity", "system": system, "weights": weights, "kv": "-", "computes": computes,
+                "length": 1024, "texts": 8, "predicted": 8184, "perplexity": value, "threads": 1,
+                "conditions": "one thread"}  # fmt: skip
+
+    rows = [ppl("kvopt fp32", "float32", "float32", 20.0), ppl("kvopt auto/int8", "int8", "bfloat16", 20.5),
+            ppl("llama.cpp", "F16", "its own kernels", 21.0), ppl("llama.cpp", "Q8_0", "its own kernels", 21.21)]
+    text = llamacpp.render(rows)
+    assert "### Perplexity of the weight formats (8 windows of 1,024 tokens)" in text
+    assert "| kvopt fp32 | float32 | float32 | 20.000 | +0.00% |" in text
+    assert "| kvopt auto/int8 | int8 | bfloat16 | 20.500 | +2.50% |" in text
+    assert "| llama.cpp | Q8_0 | its own kernels | 21.210 | +1.00% |" in text
