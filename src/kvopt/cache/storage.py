@@ -255,6 +255,9 @@ class DenseKVStore:
         Indices shared by all heads (second axis 1) keep the heads aligned.
         """
         heads = self._buffers["keys"].shape[1]
+        # one row keeping the same tokens in every head: whole token rows copied (a gather over expanded indices ran
+        # at ~1.4 GB/s, and a decode-time method keeps its tokens at every step of every layer)
+        rows = indices[0, 0] if indices.shape[:2] == (1, 1) else None
         if indices.shape[1] != heads:
             indices = indices.expand(-1, heads, -1)
         elif heads > 1:
@@ -264,6 +267,9 @@ class DenseKVStore:
         gathered = {}
         for name in self._buffers:
             live = self._live(name)
+            if rows is not None:
+                gathered[name] = live.index_select(TOKEN_AXIS, rows)
+                continue
             index = indices if live.ndim == 3 else indices[..., None].expand(-1, -1, -1, live.shape[-1])
             gathered[name] = live.gather(TOKEN_AXIS, index)
         self._install(gathered, kept)
