@@ -14,7 +14,14 @@
 
 namespace py = pybind11;
 
-#define KVOPT_RECORD(name, ...) RECORD_FUNCTION("kvopt_cpu::" name, std::vector<c10::IValue>({__VA_ARGS__}))
+// ``kernel`` as a Python function recorded under ``name`` with its arguments (tensors' shapes among them).
+template <typename Result, typename... Args>
+auto recorded(const char* name, Result (*kernel)(Args...)) {
+  return [name, kernel](Args... args) -> Result {
+    RECORD_FUNCTION(name, std::vector<c10::IValue>({c10::IValue(args)...}));
+    return kernel(args...);
+  };
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();  // an HTTP server's threads run meanwhile
@@ -27,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const std::optional<at::Tensor>& records, const std::optional<at::Tensor>& counts,
          const std::optional<std::vector<int64_t>>& layout, const std::optional<at::Tensor>& new_keys,
          const std::optional<at::Tensor>& new_values, const std::optional<at::Tensor>& slots) {
-        KVOPT_RECORD("decode_attention", query, keys, values);
+        RECORD_FUNCTION("kvopt_cpu::decode_attention", std::vector<c10::IValue>({query, keys, values}));
         const at::OptionalIntArrayRef fields = layout ? at::OptionalIntArrayRef(*layout) : at::OptionalIntArrayRef();
         return kvopt_cpu::decode_attention(query, keys, values, runs, offsets, scale, key_records, value_records, blocks,
                                            records, counts, fields, new_keys, new_values, slots);
@@ -36,40 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("key_records") = none, py::arg("value_records") = none, py::arg("blocks") = none,
       py::arg("records") = none, py::arg("counts") = none, py::arg("layout") = none, py::arg("new_keys") = none,
       py::arg("new_values") = none, py::arg("slots") = none, release);
-  m.def(
-      "linear_rows",
-      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-         const std::optional<at::Tensor>& bias) {
-        KVOPT_RECORD("linear_rows", input, weight);
-        return kvopt_cpu::linear_rows(input, weight, scale, bias);
-      },
-      py::arg("input"), py::arg("weight"), py::arg("scale") = none, py::arg("bias") = none, release);
-  m.def(
-      "rms_norm",
-      [](const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
-        KVOPT_RECORD("rms_norm", x);
-        return kvopt_cpu::rms_norm(x, weight, eps, plus_one);
-      },
-      release);
-  m.def(
-      "add_rms_norm",
-      [](const at::Tensor& x, const at::Tensor& addend, const at::Tensor& weight, double eps, bool plus_one) {
-        KVOPT_RECORD("add_rms_norm", x);
-        return kvopt_cpu::add_rms_norm(x, addend, weight, eps, plus_one);
-      },
-      release);
-  m.def(
-      "rotary",
-      [](const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim) {
-        KVOPT_RECORD("rotary", qkv);
-        return kvopt_cpu::rotary(qkv, cos, sin, heads, dim);
-      },
-      release);
-  m.def(
-      "silu_mul",
-      [](const at::Tensor& gate_up) {
-        KVOPT_RECORD("silu_mul", gate_up);
-        return kvopt_cpu::silu_mul(gate_up);
-      },
-      release);
+  m.def("linear_rows", recorded("kvopt_cpu::linear_rows", &kvopt_cpu::linear_rows), py::arg("input"), py::arg("weight"),
+        py::arg("scale") = none, py::arg("bias") = none, release);
+  m.def("rms_norm", recorded("kvopt_cpu::rms_norm", &kvopt_cpu::rms_norm), release);
+  m.def("add_rms_norm", recorded("kvopt_cpu::add_rms_norm", &kvopt_cpu::add_rms_norm), release);
+  m.def("rotary", recorded("kvopt_cpu::rotary", &kvopt_cpu::rotary), release);
+  m.def("silu_mul", recorded("kvopt_cpu::silu_mul", &kvopt_cpu::silu_mul), release);
 }

@@ -45,10 +45,6 @@ constexpr int kMaxGroup = 16;
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-inline vfloat load_row(const float* p) { return load_floats(p); }
-
-inline vfloat load_row(const c10::BFloat16* p) { return widen_bf16(p); }
-
 // The lane sums of ``x[0..kLanes-1]`` as one vector (lane j: the sum of x[j]'s lanes): a tree of shuffles and adds
 // (kLanes - 1 steps of two shuffles and an add, where kLanes separate reductions take log2(kLanes) + 4 steps each).
 #if defined(__AVX512F__)
@@ -101,7 +97,7 @@ inline vfloat softmax_block(vfloat scores, float& m, float& l, float& correction
 template <int V>
 inline vfloat score_block(const float* query, const vfloat (*keys)[V]) {
   vfloat qv[V];
-  for (int i = 0; i < V; ++i) qv[i] = load_row(query + i * kLanes);
+  for (int i = 0; i < V; ++i) qv[i] = load_lanes(query + i * kLanes);
   vfloat dots[kLanes];
   for (int j = 0; j < kLanes; ++j) {
     vfloat dot = qv[0] * keys[j][0];
@@ -118,7 +114,7 @@ inline void accumulate_block(vfloat scores, const vfloat (*values)[V], int n, fl
   float correction;
   const vfloat weights = softmax_block(scores, m, l, correction);
   vfloat o[V];
-  for (int i = 0; i < V; ++i) o[i] = load_row(out + i * kLanes) * correction;
+  for (int i = 0; i < V; ++i) o[i] = load_lanes(out + i * kLanes) * correction;
   for (int j = 0; j < n; ++j) {
     const vfloat w = splat(weights[j]);
     for (int i = 0; i < V; ++i) o[i] += w * values[j][i];
@@ -139,18 +135,18 @@ void attend_run(const float* __restrict q, int group, const T* __restrict keys, 
     const T* v = values + first * kDim;
     alignas(64) vfloat block[kLanes][V];  // the block's keys in fp32, converted once for every query of the group
     for (int j = 0; j < kLanes; ++j) {
-      for (int i = 0; i < V; ++i) block[j][i] = j < n ? load_row(k + j * kDim + i * kLanes) : vfloat{};
+      for (int i = 0; i < V; ++i) block[j][i] = j < n ? load_lanes(k + j * kDim + i * kLanes) : vfloat{};
     }
     for (int g = 0; g < group; ++g) {
       const vfloat sums = score_block<V>(q + g * kDim, block);
       std::memcpy(scores[g], &sums, sizeof(sums));
     }
     for (int j = 0; j < kLanes; ++j) {  // the block's values, converted once too (rows past n weigh 0)
-      for (int i = 0; i < V; ++i) block[j][i] = j < n ? load_row(v + j * kDim + i * kLanes) : vfloat{};
+      for (int i = 0; i < V; ++i) block[j][i] = j < n ? load_lanes(v + j * kDim + i * kLanes) : vfloat{};
     }
     for (int g = 0; g < group; ++g) {
       for (int j = n; j < kLanes; ++j) scores[g][j] = -std::numeric_limits<float>::infinity();
-      accumulate_block<V>(load_row(scores[g]), block, n, m[g], l[g], acc + g * kDim);
+      accumulate_block<V>(load_lanes(scores[g]), block, n, m[g], l[g], acc + g * kDim);
     }
   }
 }
@@ -393,10 +389,10 @@ struct CodeReader {
       for (int g = 0; g < group; ++g) {
         vfloat zero_dot = vfloat{};
         for (int i = 0; i < V; ++i) {
-          const vfloat qi = load_row(q + g * kDim + i * kLanes);
-          const vfloat scaled = qi * load_row(key_scale + i * kLanes);
+          const vfloat qi = load_lanes(q + g * kDim + i * kLanes);
+          const vfloat scaled = qi * load_lanes(key_scale + i * kLanes);
           std::memcpy(scaled_query[g] + i * kLanes, &scaled, sizeof(scaled));
-          zero_dot += qi * load_row(key_zero + i * kLanes);
+          zero_dot += qi * load_lanes(key_zero + i * kLanes);
         }
         query_zero[g] = sum_lanes(zero_dot);
       }
@@ -415,7 +411,7 @@ struct CodeReader {
           }
         }
         for (int g = 0; g < group; ++g) {
-          accumulate_block<V>(load_row(scores[g]), block, kLanes, m[g], l[g], acc + g * kDim);
+          accumulate_block<V>(load_lanes(scores[g]), block, kLanes, m[g], l[g], acc + g * kDim);
         }
       }
     }

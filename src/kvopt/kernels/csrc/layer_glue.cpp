@@ -36,8 +36,6 @@ inline void store(T* out, float x) {
 // The same a vector at a time (kLanes values).
 inline vfloat held(vfloat x, float) { return x; }
 inline vfloat held(vfloat x, c10::BFloat16) { return round_bf16(x); }
-inline vfloat load_lanes(const float* p) { return load_floats(p); }
-inline vfloat load_lanes(const c10::BFloat16* p) { return widen_bf16(p); }
 inline void store_lanes(vfloat x, float* out) { std::memcpy(out, &x, sizeof(x)); }
 inline void store_lanes(vfloat x, c10::BFloat16* out) { store_bf16(x, out); }
 
@@ -220,4 +218,3 @@ TORCH_LIBRARY_IMPL(kvopt_cpu, CPU, m) {
   m.impl("rotary", &kvopt_cpu::rotary);
   m.impl("silu_mul", &kvopt_cpu::silu_mul);
 }
-

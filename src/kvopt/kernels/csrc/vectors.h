@@ -54,6 +54,10 @@ inline vfloat widen_bf16(const c10::BFloat16* p) {
 #endif
 }
 
+// kLanes values of a row as floats, whichever of fp32 or bf16 it holds (the kernels are templates over both).
+inline vfloat load_lanes(const float* p) { return load_floats(p); }
+inline vfloat load_lanes(const c10::BFloat16* p) { return widen_bf16(p); }
+
 // kLanes bytes zero-extended to 32-bit lanes (one vpmovzxbd; GCC's generic 4x widening came out as scalar code or
 // a chain of 2x widenings and lane extracts).
 inline vint widen_bytes(const uint8_t* p) {

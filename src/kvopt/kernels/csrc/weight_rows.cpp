@@ -42,10 +42,9 @@ constexpr int64_t kPrefetchBytes = 8192;
 //: Weight rows per unit of parallel work.
 constexpr int64_t kGrain = 64;
 
-inline vfloat load(const float* p) { return load_floats(p); }
-inline vfloat load(const c10::BFloat16* p) { return widen_bf16(p); }
+using kvopt_vectors::load_lanes;  // fp32 and bf16, beside int8's below
 
-inline vfloat load(const int8_t* p) {
+inline vfloat load_lanes(const int8_t* p) {
 #if defined(__AVX512F__)
   __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(wide));
@@ -73,11 +72,11 @@ inline void dot_row(const W* weight, const float* x, int64_t K, float* out) {
   for (int i = 0; i < XS; ++i) acc[i][0] = acc[i][1] = vfloat{};
   int64_t k = 0;
   for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
-    vfloat w0 = load(weight + k), w1 = load(weight + k + kLanes);
+    vfloat w0 = load_lanes(weight + k), w1 = load_lanes(weight + k + kLanes);
 #pragma GCC unroll 4
     for (int i = 0; i < XS; ++i) {
-      acc[i][0] += w0 * load(x + i * K + k);
-      acc[i][1] += w1 * load(x + i * K + k + kLanes);
+      acc[i][0] += w0 * load_lanes(x + i * K + k);
+      acc[i][1] += w1 * load_lanes(x + i * K + k + kLanes);
     }
   }
 #pragma GCC unroll 4
